@@ -1,0 +1,139 @@
+"""``hf-dspark``: command-line entry point.
+
+Errors print as one line (``hf-dspark: error: ...``) unless ``--debug`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load_target(name: str | None, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name in (None, "smollm2", "SmolLM2-135M-Instruct"):
+        from .target import load_smollm2
+
+        return load_smollm2(dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(name)
+
+
+def cmd_generate(args) -> int:
+    """DSpark-assisted greedy generation next to plain greedy generation, with tokens/s and accepted length."""
+    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
+
+    from .defaults import load_drafter_for
+
+    torch.manual_seed(args.seed)
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = _load_target(args.target, dtype)
+    drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
+    drafter.generation_config.verification_policy = args.policy
+    if args.threshold is not None:
+        drafter.generation_config.confidence_threshold = args.threshold
+    messages = [{"role": "user", "content": args.prompt}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}); drafter: {origin}", flush=True)
+    results = {}
+    for name, extra in (("plain", {}), ("dspark", {"assistant_model": drafter})):
+        start = time.perf_counter()
+        out = target.generate(**inputs, **settings, **extra)
+        elapsed = time.perf_counter() - start
+        new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
+        results[name] = {"tokens": new_tokens, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed,
+                         "ids": out[0, inputs["input_ids"].shape[1]:].tolist()}
+    stats = drafter.last_stats
+    text = tokenizer.decode(results["dspark"]["ids"], skip_special_tokens=True)
+    print(text)
+    print("-" * 60)
+    print(f"plain greedy : {results['plain']['tokens']} tokens, {results['plain']['tokens_per_s']:.1f} tok/s")
+    print(f"DSpark greedy: {results['dspark']['tokens']} tokens, {results['dspark']['tokens_per_s']:.1f} tok/s, "
+          f"accepted length tau={stats.accepted_length:.2f} over {stats.rounds} rounds")
+    print(f"speedup {results['dspark']['tokens_per_s'] / results['plain']['tokens_per_s']:.2f}x; "
+          f"identical output: {results['plain']['ids'] == results['dspark']['ids']}")
+    if args.json:
+        summary = {k: {kk: vv for kk, vv in v.items() if kk != "ids"} for k, v in results.items()}
+        summary["stats"] = stats.to_dict()
+        print(json.dumps(summary))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from .training.data import RegenerationSettings, regenerate
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    settings = RegenerationSettings(
+        prompt_paths=args.prompts, shard_size=args.shard_size, batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+        max_prompts=args.max_prompts, dtype=args.dtype,
+    )
+    target, tokenizer = _load_target(args.target, DTYPES[args.dtype])
+    summary = regenerate(target, tokenizer, args.output, settings)
+    print(json.dumps(summary))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="DSpark-assisted greedy generation vs plain generate(): tokens/s, tau")
+    gen.add_argument("--target", default=None, help="target model path (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
+    gen.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    gen.add_argument("--policy", default="fixed", help="verification policy: fixed | threshold | <registered>")
+    gen.add_argument("--threshold", type=float, default=None, help="confidence threshold for --policy threshold")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--json", action="store_true", help="also print a JSON summary line")
+    gen.set_defaults(func=cmd_generate)
+
+    data = sub.add_parser("data", help="regenerate training responses with the target (sharded, resumable)")
+    data.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files or folders")
+    data.add_argument("--output", required=True, help="output folder (re-run the same command to resume)")
+    data.add_argument("--target", default=None)
+    data.add_argument("--shard-size", type=int, default=64)
+    data.add_argument("--batch-size", type=int, default=16)
+    data.add_argument("--max-new-tokens", type=int, default=256)
+    data.add_argument("--temperature", type=float, default=0.2)
+    data.add_argument("--top-p", type=float, default=0.9)
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--max-prompts", type=int, default=None)
+    data.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    data.add_argument("--threads", type=int, default=None)
+    data.set_defaults(func=cmd_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING, format="%(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("hf-dspark: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # one clear line unless --debug
+        if args.debug:
+            raise
+        print(f"hf-dspark: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The embedded default: SmolLM2-135M-Instruct plus the drafter committed in ``hf_dspark/drafters/``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DRAFTERS_DIR = Path(__file__).parent / "drafters"
+DEFAULT_DRAFTER = "smollm2-135m-instruct-dspark"
+
+
+def embedded_drafter_path(name: str = DEFAULT_DRAFTER) -> Path | None:
+    path = DRAFTERS_DIR / name
+    return path if (path / "config.json").is_file() else None
+
+
+def load_drafter_for(target, drafter: str | None = None, dtype: torch.dtype | None = None, seed: int = 0):
+    """Return ``(drafter, origin)``: the given folder, else the embedded drafter, else (with a clear label) a
+    randomly initialised drafter shaped for ``target``."""
+    from .configuration_dspark import DSparkConfig
+    from .modeling_dspark import DSparkDrafter
+
+    dtype = dtype or target.dtype
+    path = drafter or embedded_drafter_path()
+    if path is not None:
+        model = DSparkDrafter.from_pretrained(path, dtype=dtype).eval()
+        origin = str(path)
+    else:
+        torch.manual_seed(seed)
+        model = DSparkDrafter(DSparkConfig.for_target(target.config, num_hidden_layers=2)).to(dtype).eval()
+        origin = "randomly initialised (no trained drafter is embedded yet)"
+    model.attach_target(target)
+    return model, origin
+
+
+def load_default(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """``(target, tokenizer, drafter)``: SmolLM2-135M-Instruct and the embedded DSpark drafter."""
+    from .target import load_smollm2
+
+    target, tokenizer = load_smollm2(dtype=dtype or torch.float32, device=device)
+    drafter, _ = load_drafter_for(target, dtype=target.dtype)
+    return target, tokenizer, drafter.to(device)

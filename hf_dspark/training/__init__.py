@@ -1,0 +1,1 @@
+"""Training: target regeneration data, target features, losses, trainer."""

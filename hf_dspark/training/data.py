@@ -1,0 +1,157 @@
+"""Target regeneration: answer training prompts with the target itself (the paper's data recipe).
+
+Output: a folder of JSONL shards ``shard-00000.jsonl ...``; one line per (conversation, turn):
+``{"id", "domain", "set", "turn", "prompt_ids", "response_ids"}``; the trainer supervises ``response_ids`` given
+``prompt_ids`` (which already holds the earlier turns with the target's own answers). Multi-turn prompts feed every
+user turn, each after the model's previous answer.
+
+Resumable and idempotent: prompts are shuffled once (seeded) and cut into shards; a shard is written to a temp
+file and renamed when complete, so killing the job loses at most the shard in progress, and a restart skips every
+finished shard. ``manifest.json`` pins the settings; resuming with different settings is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..prompts import load_prompts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenerationSettings:
+    prompt_paths: list[str]
+    shard_size: int = 64
+    batch_size: int = 16
+    max_new_tokens: int = 256
+    temperature: float = 0.2  # SmolLM2-Instruct's recommended sampling
+    top_p: float = 0.9
+    seed: int = 0
+    max_prompts: int | None = None
+    dtype: str = "bfloat16"
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@torch.no_grad()
+def _generate_batch(target, tokenizer, prompts: list[list[int]], settings: RegenerationSettings, generator_seed: int):
+    """Left-padded batched sampling; returns the response ids of each prompt (cut after EOS)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    torch.manual_seed(generator_seed)
+    out = target.generate(
+        input_ids=input_ids.to(target.device),
+        attention_mask=attention_mask.to(target.device),
+        do_sample=settings.temperature > 0,
+        temperature=settings.temperature if settings.temperature > 0 else None,
+        top_p=settings.top_p if settings.temperature > 0 else None,
+        max_new_tokens=settings.max_new_tokens,
+        pad_token_id=pad,
+    )
+    eos = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
+              else [target.generation_config.eos_token_id])
+    responses = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+def _regenerate_shard(target, tokenizer, records: list[dict], settings: RegenerationSettings, seed: int) -> list[dict]:
+    conversations = [{"record": r, "messages": [], "out": []} for r in records]
+    max_turns = max(len(r["turns"]) for r in records)
+    for turn in range(max_turns):
+        active = [c for c in conversations if len(c["record"]["turns"]) > turn]
+        for c in active:
+            c["messages"].append({"role": "user", "content": c["record"]["turns"][turn]})
+            c["prompt_ids"] = _chat_ids(tokenizer, c["messages"])
+        active.sort(key=lambda c: len(c["prompt_ids"]))  # similar lengths share a batch: less padding
+        for start in range(0, len(active), settings.batch_size):
+            batch = active[start : start + settings.batch_size]
+            responses = _generate_batch(
+                target, tokenizer, [c["prompt_ids"] for c in batch], settings, seed * 1000 + turn * 100 + start
+            )
+            for c, response in zip(batch, responses):
+                text = tokenizer.decode(response, skip_special_tokens=True)
+                c["messages"].append({"role": "assistant", "content": text})
+                r = c["record"]
+                c["out"].append(
+                    {"id": r["id"], "domain": r["domain"], "set": r["set"], "turn": turn,
+                     "prompt_ids": c["prompt_ids"], "response_ids": response}
+                )
+    return [line for c in conversations for line in c["out"]]
+
+
+def regenerate(target, tokenizer, output_dir: str | Path, settings: RegenerationSettings, progress: bool = True) -> dict:
+    """Regenerate responses for ``settings.prompt_paths`` into ``output_dir`` (resumable). Returns a summary."""
+    from tqdm.auto import tqdm
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = output_dir / "manifest.json"
+    manifest = {"settings": asdict(settings), "format": "hf-dspark-regenerated-v1"}
+    if manifest_path.exists():
+        existing = json.loads(manifest_path.read_text())
+        if existing["settings"] != manifest["settings"]:
+            raise ValueError(
+                f"{output_dir} was started with different settings ({existing['settings']}); use a new folder"
+            )
+    else:
+        manifest_path.write_text(json.dumps(manifest, indent=2))
+    records = load_prompts(settings.prompt_paths)
+    random.Random(settings.seed).shuffle(records)
+    if settings.max_prompts is not None:
+        records = records[: settings.max_prompts]
+    shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
+    done = {p.name for p in output_dir.glob("shard-*.jsonl")}
+    todo = [i for i in range(len(shards)) if f"shard-{i:05d}.jsonl" not in done]
+    log_file = output_dir / "progress.log"
+    bar = tqdm(total=len(records), initial=sum(len(shards[i]) for i in range(len(shards)) if i not in todo),
+               desc="regenerate", unit="prompt", disable=not progress)
+    started, new_lines = time.time(), 0
+    for index in todo:
+        lines = _regenerate_shard(target, tokenizer, shards[index], settings, settings.seed + index)
+        final = output_dir / f"shard-{index:05d}.jsonl"
+        tmp = final.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
+        os.replace(tmp, final)
+        new_lines += len(lines)
+        bar.update(len(shards[index]))
+        rate = bar.n / max(bar.format_dict.get("elapsed", 1e-9), 1e-9)
+        with open(log_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": time.time(), "shard": index, "prompts_done": bar.n,
+                                "prompts_total": len(records), "elapsed_s": time.time() - started}) + "\n")
+        logger.info("shard %d done (%d/%d prompts, %.2f prompts/s)", index, bar.n, len(records), rate)
+    bar.close()
+    finished = sorted(output_dir.glob("shard-*.jsonl"))
+    return {"output_dir": str(output_dir), "shards": len(finished), "shards_total": len(shards),
+            "new_sequences": new_lines, "elapsed_s": time.time() - started}
+
+
+def iter_regenerated(data_dir: str | Path):
+    """Yield the sequences of a regenerated folder (finished shards only, in shard order)."""
+    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)

@@ -1,0 +1,169 @@
+"""DSpark training math: anchor sampling, per-block attention masks, and the CE / TV / confidence losses.
+
+Pure functions over tensors (no model state), so each piece is testable alone.
+
+Shapes: ``b`` sequences of length ``n``; ``A`` anchors per sequence; block size ``g``; ``q = A * g`` block tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "confidence": 1.0}  # the paper's defaults
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+    """Sample up to ``num_anchors`` anchor positions per sequence, uniformly without replacement, among positions
+    ``p`` whose next token ``p + 1`` is supervised (the anchor itself is known: prompt or response).
+
+    Args:
+        loss_mask: [b, n] bool, True where the token is a training label (response tokens).
+    Returns:
+        anchors [b, A] long (sorted; padded with 0) and keep [b, A] bool.
+    """
+    b, n = loss_mask.shape
+    candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidates[:, :-1] = loss_mask[:, 1:].bool()
+    candidates[:, 0] = False  # an anchor needs at least one context position before it
+    counts = candidates.sum(dim=1)
+    num = int(min(num_anchors, max(int(counts.max()), 1)))
+    scores = torch.rand(b, n, generator=generator, device=loss_mask.device)
+    scores = scores.masked_fill(~candidates, -1.0)
+    top = scores.topk(num, dim=1)
+    keep = top.values >= 0
+    anchors = torch.where(keep, top.indices, torch.zeros_like(top.indices))
+    anchors, order = anchors.sort(dim=1)
+    keep = keep.gather(1, order)
+    # Sorting moved padded zeros first; keep them flagged off.
+    return anchors, keep
+
+
+@dataclass
+class Blocks:
+    """The training blocks of a batch."""
+
+    input_ids: torch.Tensor  # [b, q] anchor + masks per block
+    position_ids: torch.Tensor  # [b, q]
+    labels: torch.Tensor  # [b, A, g] token at anchor + k + 1 (0 where invalid)
+    prev_ids: torch.Tensor  # [b, A, g] true previous tokens (teacher forcing): anchor, label_0, ...
+    target_positions: torch.Tensor  # [b, A, g] position whose target logits predict the label (anchor + k)
+    valid: torch.Tensor  # [b, A, g] bool, contiguous prefix of supervised positions
+    attention_mask: torch.Tensor  # [b, 1, q, n + q] bool (True = attend)
+
+
+def build_blocks(input_ids, loss_mask, anchors, keep, block_size: int, mask_token_id: int) -> Blocks:
+    """Blocks, labels and the per-block attention mask (context ``< anchor`` plus the block itself)."""
+    b, n = input_ids.shape
+    num = anchors.shape[1]
+    g = block_size
+    device = input_ids.device
+    offsets = torch.arange(g, device=device)
+    positions = anchors.unsqueeze(-1) + offsets  # [b, A, g]
+    label_positions = positions + 1
+    in_range = label_positions < n
+    clamped = label_positions.clamp(max=n - 1)
+    labels = input_ids.gather(1, clamped.view(b, -1)).view(b, num, g)
+    supervised = loss_mask.bool().gather(1, clamped.view(b, -1)).view(b, num, g) & in_range
+    valid = (supervised.long().cumprod(dim=-1).bool()) & keep.unsqueeze(-1)
+    labels = torch.where(valid, labels, torch.zeros_like(labels))
+    anchor_ids = input_ids.gather(1, anchors)  # [b, A]
+    block_ids = torch.full((b, num, g), mask_token_id, dtype=torch.long, device=device)
+    block_ids[..., 0] = anchor_ids
+    prev_ids = torch.cat([anchor_ids.unsqueeze(-1), labels[..., :-1]], dim=-1)
+
+    q = num * g
+    context_mask = torch.arange(n, device=device).view(1, 1, n) < anchors.view(b, num, 1)  # [b, A, n]
+    context_mask = context_mask.unsqueeze(2).expand(b, num, g, n).reshape(b, q, n)
+    block_of = torch.arange(q, device=device) // g
+    own_block = (block_of.view(q, 1) == block_of.view(1, q)).unsqueeze(0).expand(b, q, q)
+    own_block = own_block & keep.repeat_interleave(g, dim=1).unsqueeze(-1)
+    mask = torch.cat([context_mask & keep.repeat_interleave(g, dim=1).unsqueeze(-1), own_block], dim=-1)
+    # Dropped (padding) blocks must still attend somewhere to keep softmax finite: let them see their own token.
+    eye = torch.eye(q, dtype=torch.bool, device=device).unsqueeze(0)
+    mask[..., n:] |= eye & ~keep.repeat_interleave(g, dim=1).view(b, q, 1)
+    return Blocks(
+        input_ids=block_ids.view(b, q),
+        position_ids=positions.view(b, q),
+        labels=labels,
+        prev_ids=prev_ids,
+        target_positions=positions.clamp(max=n - 1),
+        valid=valid,
+        attention_mask=mask.unsqueeze(1),
+    )
+
+
+def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-k / gamma), k = 0..g-1 (the reference's decay; gamma = 4 for g = 7)."""
+    return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
+
+
+def dspark_losses(
+    draft_logits: torch.Tensor,  # [b, A, g, V] base logits + teacher-forced sequential bias
+    target_logits: torch.Tensor,  # [b, A, g, V] target logits at anchor + k
+    labels: torch.Tensor,  # [b, A, g]
+    valid: torch.Tensor,  # [b, A, g]
+    confidence_logits: torch.Tensor | None,  # [b, A, g]
+    gamma: float = 4.0,
+    weights: dict[str, float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
+    head against the analytic acceptance rate ``1 - 0.5 * ||p_d - p_t||_1``; each averaged with the per-position
+    decay. Returns the weighted total as ``"loss"`` and each term."""
+    weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
+    w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
+    denom = w.sum().clamp(min=1e-6)
+    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
+    ce = -log_pd.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    p_d = log_pd.exp()
+    p_t = F.softmax(target_logits.float(), dim=-1)
+    l1 = (p_d - p_t).abs().sum(dim=-1)
+    out = {"ce": (ce * w).sum() / denom, "tv": (l1 * w).sum() / denom}
+    total = weights["ce"] * out["ce"] + weights["tv"] * out["tv"]
+    if confidence_logits is not None:
+        soft_label = (1 - 0.5 * l1).clamp(0, 1).detach()
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
+        out["confidence"] = (bce * w).sum() / denom
+        total = total + weights["confidence"] * out["confidence"]
+    out["loss"] = total
+    with torch.no_grad():
+        out["accuracy"] = ((draft_logits.argmax(-1) == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
+    return out
+
+
+def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids, loss_mask, num_anchors: int,
+                          gamma: float = 4.0, weights: dict[str, float] | None = None,
+                          generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Losses for one batch given target features.
+
+    Args:
+        target_hidden: [b, n, taps * D] concatenated target hidden states (``gather_target_hidden``).
+        target_last_hidden: [b, n, D] the target's final (post-norm, pre-LM-head) hidden states; target logits are
+            recomputed from it only at supervised block positions.
+        input_ids / loss_mask: [b, n].
+    """
+    config = drafter.config
+    anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
+    blocks = build_blocks(input_ids, loss_mask, anchors, keep, config.block_size, config.mask_token_id)
+    b, n = input_ids.shape
+    out = drafter(
+        input_ids=blocks.input_ids,
+        position_ids=blocks.position_ids,
+        target_hidden=target_hidden,
+        context_position_ids=torch.arange(n, device=input_ids.device).unsqueeze(0).expand(b, -1),
+        attention_mask=blocks.attention_mask,
+    )
+    num, g = blocks.labels.shape[1:]
+    hidden = out.hidden_states.view(b, num, g, -1)
+    base = out.logits.view(b, num, g, -1)
+    draft_logits = drafter.sequential_logits(base, hidden, blocks.prev_ids)
+    lm_head = drafter.lm_head
+    with torch.no_grad():
+        gathered = target_last_hidden.gather(
+            1, blocks.target_positions.view(b, -1, 1).expand(-1, -1, target_last_hidden.shape[-1])
+        )
+        target_logits = lm_head(gathered.to(lm_head.weight.dtype)).view(b, num, g, -1)
+    confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
+    return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights)

@@ -1,0 +1,130 @@
+"""DSpark-assisted greedy decoding must equal plain greedy decoding token for token (float32)."""
+
+import pytest
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from tests.helpers import make_drafter, random_prompts
+
+HEADS = ["none", "markov", "gated", "rnn"]
+BLOCK_SIZES = [1, 4, 7]
+POLICIES = {"fixed": {}, "threshold": {"confidence_threshold": 0.5}}
+
+
+def set_policy(drafter, name, **settings):
+    drafter.generation_config.verification_policy = name
+    for key, value in {**POLICIES.get(name, {}), **settings}.items():
+        setattr(drafter.generation_config, key, value)
+
+
+def assert_same_greedy(target, drafter, prompt, **kwargs):
+    ref = target.generate(prompt, do_sample=False, **kwargs)
+    out = target.generate(prompt, do_sample=False, assistant_model=drafter, **kwargs)
+    assert torch.equal(ref, out), f"\nplain  {ref[0, prompt.shape[1]:].tolist()}\ndspark {out[0, prompt.shape[1]:].tolist()}"
+    return out
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head", HEADS)
+def test_random_drafter(tiny_targets, family, head, block_size, policy):
+    target = tiny_targets[family]
+    drafter = make_drafter(target, head=head, block_size=block_size, seed=block_size)
+    set_policy(drafter, policy)
+    for prompt in random_prompts(2, 7, target.config.vocab_size, seed=block_size):
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=19)
+        stats = drafter.last_stats
+        assert stats.rounds > 0 and max(stats.verified) <= block_size
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("num_verify", [1, 4, 7])
+def test_trained_drafter_long_accepted_runs(tiny_targets, trained_drafters, family, policy, num_verify):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    set_policy(drafter, policy, num_verify_tokens=num_verify)
+    taus = []
+    for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:4]:
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=40)
+        taus.append(drafter.last_stats.accepted_length)
+        if policy == "fixed":
+            assert max(drafter.last_stats.verified) <= num_verify
+    if policy == "fixed" and num_verify == 7:
+        assert max(taus) >= 5.0, f"trained drafter should get long accepted runs, got tau={taus}"
+    set_policy(drafter, "fixed", num_verify_tokens=None)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 9, 13, 22])
+def test_max_new_tokens_mid_block(tiny_targets, trained_drafters, family, max_new_tokens):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[3]
+    out = assert_same_greedy(target, drafter, prompt, max_new_tokens=max_new_tokens)
+    assert out.shape[1] == prompt.shape[1] + max_new_tokens
+
+
+def test_eos_inside_a_draft_block(tiny_targets, trained_drafters, family):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    hits = 0
+    for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:6]:
+        free = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+        # An EOS that first appears well inside the continuation, so it lands inside an accepted block.
+        position = next((i for i in range(6, len(free)) if free[i] not in free[:i]), None)
+        if position is None:
+            continue
+        eos = free[position]
+        out = assert_same_greedy(target, drafter, prompt, max_new_tokens=30, eos_token_id=eos)
+        assert out[0, -1].item() == eos and out.shape[1] == prompt.shape[1] + position + 1
+        last_round = drafter.last_stats.accepted[-1]
+        hits += last_round > 0  # EOS was among accepted drafts
+    assert hits > 0, "no case exercised EOS inside an accepted draft block"
+
+
+class CollectingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_and_return_dict(tiny_targets, trained_drafters, family):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[2]
+    streamer = CollectingStreamer()
+    out = target.generate(prompt, do_sample=False, max_new_tokens=25, assistant_model=drafter, streamer=streamer,
+                          return_dict_in_generate=True, output_scores=True)
+    ref = target.generate(prompt, do_sample=False, max_new_tokens=25, return_dict_in_generate=True,
+                          output_scores=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert streamer.ended
+    streamed = [t for chunk in streamer.chunks[1:] for t in chunk]  # first chunk is the prompt
+    assert streamer.chunks[0] == prompt[0].tolist()
+    assert streamed == out.sequences[0, prompt.shape[1]:].tolist()
+    assert len(streamer.chunks) - 1 < 25, "accepted drafts should arrive several tokens per chunk"
+    assert len(out.scores) == 25
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_zero_draft_rounds_keep_cache_bookkeeping(tiny_targets, trained_drafters, family):
+    """A threshold of 1.0 verifies no drafts at all; every round is the target alone, still exact."""
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    set_policy(drafter, "threshold", confidence_threshold=1.0)
+    try:
+        prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[0]
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=15)
+        stats = drafter.last_stats
+        assert sum(stats.verified) == 0 and stats.accepted_length == 1.0
+        # Mixed zero and non-zero rounds: a mid threshold on the trained drafter.
+        set_policy(drafter, "threshold", confidence_threshold=0.6)
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=30)
+    finally:
+        set_policy(drafter, "fixed")
+
+
+def test_repetition_penalty_processor_composes(tiny_targets, trained_drafters, family):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[1]
+    assert_same_greedy(target, drafter, prompt, max_new_tokens=24, repetition_penalty=1.3)
