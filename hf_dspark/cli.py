@@ -84,6 +84,25 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from .training.trainer import DSparkTrainer, TrainingArguments
+
+    layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    training_args = TrainingArguments(
+        output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
+        sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
+        markov_rank=args.markov_rank, target_layer_ids=layer_ids,
+        enable_confidence_head=not args.no_confidence_head, max_steps=args.max_steps,
+        learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
+        mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
+        log_every=args.log_every, threads=args.threads,
+    )
+    summary = DSparkTrainer(training_args).train()
+    print(json.dumps(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -115,6 +134,31 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     data.add_argument("--threads", type=int, default=None)
     data.set_defaults(func=cmd_data)
+
+    train = sub.add_parser("train", help="train a DSpark drafter (resumable: re-run the same command)")
+    train.add_argument("--data", nargs="+", required=True, help="regenerated data folders (hf-dspark data)")
+    train.add_argument("--output", required=True, help="run folder: checkpoints, logs, final drafter")
+    train.add_argument("--target", default=None)
+    train.add_argument("--init-drafter", default=None, help="start from this drafter folder")
+    train.add_argument("--sequential-head", choices=["none", "markov", "gated", "rnn"], default="markov")
+    train.add_argument("--block-size", type=int, default=7)
+    train.add_argument("--num-layers", type=int, default=2)
+    train.add_argument("--markov-rank", type=int, default=256)
+    train.add_argument("--target-layer-ids", default=None, help="comma-separated, reference numbering")
+    train.add_argument("--no-confidence-head", action="store_true")
+    train.add_argument("--max-steps", type=int, default=1000)
+    train.add_argument("--lr", type=float, default=6e-4)
+    train.add_argument("--warmup-ratio", type=float, default=0.04)
+    train.add_argument("--batch-size", type=int, default=4)
+    train.add_argument("--grad-accum", type=int, default=1)
+    train.add_argument("--max-length", type=int, default=512)
+    train.add_argument("--num-anchors", type=int, default=64)
+    train.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--save-every", type=int, default=100)
+    train.add_argument("--log-every", type=int, default=10)
+    train.add_argument("--threads", type=int, default=None)
+    train.set_defaults(func=cmd_train)
     return parser
 
 

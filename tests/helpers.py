@@ -12,7 +12,19 @@ from hf_dspark import DSparkConfig, DSparkDrafter
 from hf_dspark.training.losses import drafter_training_step
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("HF_DSPARK_SHARED", REPO.parent / "shared"))
+
+
+def _find_shared() -> Path:
+    """The team's shared folder (fixtures, prompt data): $HF_DSPARK_SHARED, else ``shared/`` beside the repo."""
+    if "HF_DSPARK_SHARED" in os.environ:
+        return Path(os.environ["HF_DSPARK_SHARED"])
+    for parent in REPO.parents:
+        if (parent / "shared" / "fixtures").is_dir():
+            return parent / "shared"
+    return REPO.parent / "shared"
+
+
+SHARED = _find_shared()
 FIXTURE = SHARED / "fixtures" / "deepspec-format-tiny"
 
 

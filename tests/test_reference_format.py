@@ -11,11 +11,11 @@ from hf_dspark import DSparkConfig, DSparkDrafter
 from hf_dspark.hub import export_reference_format
 from tests.helpers import FIXTURE, make_drafter, random_prompts
 
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"reference fixture not found at {FIXTURE}")
 
 
 @pytest.fixture(scope="module")
 def reference():
+    assert FIXTURE.is_dir(), f"reference fixture not found at {FIXTURE}: set HF_DSPARK_SHARED to the shared folder"
     target = AutoModelForCausalLM.from_pretrained(FIXTURE / "target").eval()
     drafter = DSparkDrafter.from_pretrained(FIXTURE / "drafter").eval()
     return target, drafter, load_file(FIXTURE / "reference_step.safetensors")

@@ -1,0 +1,351 @@
+"""DSpark drafter trainer: online target features (or a feature cache), CE / TV / confidence losses, AdamW with
+warmup + cosine, gradient clipping and accumulation, bf16/fp32, exact resume, JSONL (+ TensorBoard) logs.
+
+Runs the same code on one CPU or, through ``accelerate launch``, on several GPUs / nodes: ``Accelerator`` handles
+device placement, data-parallel gradients and mixed precision.
+
+Resume is exact: a checkpoint holds the drafter, optimizer, scheduler, every RNG state and the data position
+(epoch, batches consumed), written to a temporary folder and renamed, so ``kill -9`` at any moment leaves the
+previous checkpoint intact and the restarted run continues the same trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..configuration_dspark import DSparkConfig
+from ..modeling_dspark import DSparkDrafter
+from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str
+    data_dirs: list[str]
+    target: str | None = None  # None: SmolLM2-135M-Instruct
+    init_drafter: str | None = None  # continue from a drafter folder instead of a fresh one
+    # drafter shape (ignored with init_drafter)
+    sequential_head: str = "markov"
+    block_size: int = 7
+    num_hidden_layers: int = 2
+    markov_rank: int = 256
+    target_layer_ids: list[int] | None = None
+    enable_confidence_head: bool = True
+    # optimisation
+    max_steps: int = 1000
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    batch_size: int = 4  # sequences per micro-batch (per process)
+    gradient_accumulation_steps: int = 1
+    max_length: int = 512
+    num_anchors: int = 64
+    gamma: float = 4.0
+    loss_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LOSS_WEIGHTS))
+    mixed_precision: str = "no"  # "no" | "bf16"
+    target_dtype: str = "float32"
+    seed: int = 0
+    # bookkeeping
+    save_every: int = 100
+    log_every: int = 10
+    eval_every: int = 0
+    threads: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------------------------
+def list_shards(data_dirs: list[str]) -> list[str]:
+    shards = []
+    for d in data_dirs:
+        found = sorted(str(p) for p in Path(d).glob("shard-*.jsonl"))
+        if not found:
+            raise FileNotFoundError(f"no finished shards (shard-*.jsonl) in {d}")
+        shards.extend(found)
+    return shards
+
+
+def load_sequences(shards: list[str], max_length: int) -> list[dict]:
+    """(input_ids, loss_mask) per regenerated (conversation, turn); truncated to ``max_length``."""
+    sequences = []
+    for shard in shards:
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                ids = record["prompt_ids"] + record["response_ids"]
+                mask = [0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"])
+                if len(ids) > max_length:
+                    ids, mask = ids[:max_length], mask[:max_length]
+                if sum(mask) >= 2:
+                    sequences.append({"input_ids": ids, "loss_mask": mask, "domain": record.get("domain", "chat")})
+    if not sequences:
+        raise ValueError("the training data holds no sequence with at least two response tokens")
+    return sequences
+
+
+def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(b["input_ids"]) for b in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, b in enumerate(batch):
+        n = len(b["input_ids"])
+        ids[row, :n] = torch.tensor(b["input_ids"])
+        mask[row, :n] = torch.tensor(b["loss_mask"], dtype=torch.bool)
+        attention[row, :n] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
+
+
+def epoch_order(num_sequences: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_sequences))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ------------------------------------------------------------------------------------------------------------------
+class DSparkTrainer:
+    def __init__(self, args: TrainingArguments, target=None, tokenizer=None):
+        from accelerate import Accelerator
+
+        self.args = args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.accelerator = Accelerator(
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
+        )
+        self.output_dir = Path(args.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = self.output_dir / "checkpoint-last"
+        state = self._read_state()
+        if target is None:
+            target, tokenizer = _load_target(args.target, args.target_dtype)
+        self.target = target.to(self.accelerator.device).eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.drafter = self._build_drafter(state)
+        self.drafter.attach_target(self.target)
+        self.drafter.train()
+        self.shards = state["shards"] if state else list_shards(args.data_dirs)
+        self.sequences = load_sequences(self.shards, args.max_length)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                           betas=(0.9, 0.95))
+        warmup = max(1, int(args.warmup_ratio * args.max_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(warmup, args.max_steps))
+        # The whole loss runs inside one module's forward, so data-parallel wrappers see every parameter used.
+        self.loss_module, self.optimizer = self.accelerator.prepare(_LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights), self.optimizer)
+        self.step, self.epoch, self.position = 0, 0, 0
+        if state:
+            self._load_checkpoint(state)
+        self.pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
+        self.hidden_indices = self._unwrapped.target_hidden_states_indices()
+        self.last_index = self.target.config.get_text_config().num_hidden_layers
+
+    @property
+    def _unwrapped(self) -> DSparkDrafter:
+        return self.accelerator.unwrap_model(self.loss_module).drafter
+
+    # -- construction ------------------------------------------------------------------------------------------
+    def _read_state(self) -> dict | None:
+        path = self.checkpoint_dir / "trainer_state.json"
+        if not path.is_file():
+            return None
+        state = json.loads(path.read_text())
+        saved = state["args"]
+        for key in ("sequential_head", "block_size", "num_hidden_layers", "markov_rank", "max_steps", "seed",
+                    "batch_size", "gradient_accumulation_steps", "num_anchors"):
+            if saved.get(key) != getattr(self.args, key):
+                raise ValueError(
+                    f"{self.output_dir} holds a run with {key}={saved.get(key)!r}, now {getattr(self.args, key)!r}; "
+                    "resume with the same settings or use a new --output"
+                )
+        return state
+
+    def _build_drafter(self, state: dict | None) -> DSparkDrafter:
+        if state:
+            return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
+        if self.args.init_drafter:
+            return DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
+        overrides = dict(
+            num_hidden_layers=self.args.num_hidden_layers, block_size=self.args.block_size,
+            sequential_head=self.args.sequential_head, markov_rank=self.args.markov_rank,
+            enable_confidence_head=self.args.enable_confidence_head,
+            confidence_head_with_markov=self.args.sequential_head != "none",
+        )
+        if self.args.target_layer_ids is not None:
+            overrides["target_layer_ids"] = self.args.target_layer_ids
+        torch.manual_seed(self.args.seed)
+        config = DSparkConfig.for_target(self.target.config, **overrides)
+        return DSparkDrafter(config).to(torch.float32)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        tmp = self.output_dir / "checkpoint-tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        self._unwrapped.save_pretrained(tmp / "drafter")
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            },
+            tmp / "training_state.pt",
+        )
+        state = {"args": asdict(self.args), "step": self.step, "epoch": self.epoch, "position": self.position,
+                 "shards": self.shards}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        old = self.output_dir / "checkpoint-old"
+        if self.checkpoint_dir.exists():
+            os.replace(self.checkpoint_dir, old)
+        os.replace(tmp, self.checkpoint_dir)
+        if old.exists():
+            shutil.rmtree(old)
+
+    def _load_checkpoint(self, state: dict) -> None:
+        blob = torch.load(self.checkpoint_dir / "training_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(blob["optimizer"])
+        self.scheduler.load_state_dict(blob["scheduler"])
+        torch.set_rng_state(blob["rng"]["torch"])
+        random.setstate(blob["rng"]["python"])
+        self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        logger.info("resumed from step %d", self.step)
+
+    # -- data --------------------------------------------------------------------------------------------------
+    def _next_batch(self) -> dict[str, torch.Tensor]:
+        per_step = self.args.batch_size * self.accelerator.num_processes
+        order = epoch_order(len(self.sequences), self.args.seed, self.epoch)
+        if self.position + per_step > len(order):
+            self.epoch, self.position = self.epoch + 1, 0
+            order = epoch_order(len(self.sequences), self.args.seed, self.epoch)
+        chunk = order[self.position : self.position + per_step]
+        self.position += per_step
+        mine = chunk[self.accelerator.process_index :: self.accelerator.num_processes]
+        return collate([self.sequences[i] for i in mine], self.pad_id)
+
+    @torch.no_grad()
+    def _target_features(self, batch):
+        out = self.target(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            output_hidden_states=self.hidden_indices + [self.last_index],
+            logits_to_keep=1,
+        )
+        hidden = self._unwrapped.gather_target_hidden(out.hidden_states, self._unwrapped.config.target_layer_ids)
+        return hidden.float(), out.hidden_states[self.last_index]
+
+    # -- loop --------------------------------------------------------------------------------------------------
+    def train(self, progress: bool = True, stop_at_step: int | None = None) -> dict:
+        """Train to ``max_steps`` (or pause at ``stop_at_step`` after checkpointing, like an interruption)."""
+        from tqdm.auto import tqdm
+
+        args = self.args
+        log_path = self.output_dir / "train_log.jsonl"
+        writer = _tensorboard(self.output_dir) if self.accelerator.is_main_process else None
+        bar = tqdm(total=args.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not (progress and self.accelerator.is_main_process))
+        generator = torch.Generator()
+        totals: dict[str, float] = {}
+        started = time.time()
+        last = {}
+        while self.step < min(args.max_steps, stop_at_step or args.max_steps):
+            generator.manual_seed(args.seed * 7919 + self.step)  # anchors depend only on (seed, step): exact resume
+            for _ in range(args.gradient_accumulation_steps):
+                batch = {k: v.to(self.accelerator.device) for k, v in self._next_batch().items()}
+                features, last_hidden = self._target_features(batch)
+                with self.accelerator.accumulate(self.loss_module), self.accelerator.autocast():
+                    losses = self.loss_module(features, last_hidden, batch["input_ids"], batch["loss_mask"], generator)
+                    self.accelerator.backward(losses["loss"])
+                    if self.accelerator.sync_gradients:
+                        self.accelerator.clip_grad_norm_(self.loss_module.parameters(), args.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                for k, v in losses.items():
+                    totals[k] = totals.get(k, 0.0) + float(v.detach())
+                totals["n"] = totals.get("n", 0) + 1
+            self.scheduler.step()
+            self.step += 1
+            bar.update(1)
+            if self.step % args.log_every == 0 or self.step == args.max_steps:
+                n = totals.pop("n")
+                last = {k: v / n for k, v in totals.items()}
+                last.update(step=self.step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch,
+                            elapsed_s=time.time() - started)
+                totals = {}
+                if self.accelerator.is_main_process:
+                    with open(log_path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(last) + "\n")
+                    if writer is not None:
+                        for k, v in last.items():
+                            if isinstance(v, float):
+                                writer.add_scalar(f"train/{k}", v, self.step)
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}")
+            if self.step % args.save_every == 0 or self.step in (args.max_steps, stop_at_step):
+                self.save_checkpoint()
+        bar.close()
+        if self.step < args.max_steps:
+            return {"step": self.step, "paused": True, **last}
+        if writer is not None:
+            writer.close()
+        final = self.output_dir / "drafter"
+        if self.accelerator.is_main_process:
+            self._unwrapped.save_pretrained(final)
+        return {"step": self.step, "final": str(final), **last}
+
+
+class _LossModule(torch.nn.Module):
+    def __init__(self, drafter: DSparkDrafter, num_anchors: int | None = None, gamma: float = 4.0, weights=None):
+        super().__init__()
+        self.drafter = drafter
+        self.num_anchors, self.gamma, self.weights = num_anchors, gamma, weights
+
+    def forward(self, features, last_hidden, input_ids, loss_mask, generator):
+        return drafter_training_step(self.drafter, features, last_hidden, input_ids, loss_mask,
+                                     num_anchors=self.num_anchors, gamma=self.gamma, weights=self.weights,
+                                     generator=generator)
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _tensorboard(output_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(output_dir / "tensorboard"))
+
+
+def _load_target(name: str | None, dtype_name: str):
+    dtype = getattr(torch, dtype_name)
+    if name in (None, "smollm2", "SmolLM2-135M-Instruct"):
+        from ..target import load_smollm2
+
+        return load_smollm2(dtype=dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
