@@ -53,12 +53,15 @@ class DSparkStats:
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
+    confidence_logits: list[list[float]] = field(default_factory=list)
 
-    def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None) -> None:
+    def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None = None,
+                  confidence_logits: list[float] | None = None) -> None:
         self.drafted.append(drafted)
         self.verified.append(verified)
         self.accepted.append(accepted)
         self.confidences.append(confidences or [])
+        self.confidence_logits.append(confidence_logits or [])
 
     @property
     def rounds(self) -> int:
@@ -93,6 +96,7 @@ class DSparkStats:
             "verified": list(self.verified),
             "accepted": list(self.accepted),
             "confidences": [list(c) for c in self.confidences],
+            "confidence_logits": [list(c) for c in self.confidence_logits],
             "accepted_length": self.accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "position_acceptance": self.position_acceptance(),
@@ -145,10 +149,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.policy = policy or policy_from_generation_config(
             drafter.generation_config, self.block_size, drafter.confidence_head is not None
         )
+        if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
+            self.policy.set_sps(_profile_target(target, self.block_size + 1))
         self.cache = drafter.new_context_cache()
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
-        self._pending_round: tuple[int, int, list[float] | None] | None = None
+        self._pending_round: tuple | None = None
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
@@ -184,7 +190,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if max_drafts <= 0:
             # Only the target's own next token fits; still keep the context complete.
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
-            self._pending_round = (0, 0, None)
+            self._pending_round = (0, 0, None, None)
             return input_ids, None
         draft = self.drafter.draft(
             input_ids[:, -1],
@@ -199,7 +205,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         verify = int(self.policy.num_to_verify(confidences, max_drafts))
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
-        self._pending_round = (self.block_size, verify, None if confidences is None else confidences.tolist())
+        raw = None if draft.confidence_logits is None else draft.confidence_logits[0].tolist()
+        self._pending_round = (self.block_size, verify, None if confidences is None else confidences.tolist(), raw)
         if verify == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
@@ -209,11 +216,23 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences = self._pending_round
+        drafted, verified, confidences, confidence_logits = self._pending_round
         accepted = int(num_matches)
-        self.stats.add_round(drafted, verified, accepted, confidences)
+        self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits)
         self.policy.observe(verified, accepted)
         self._pending_round = None
+
+
+def _profile_target(target, max_batch_tokens: int):
+    """The target's SPS(B) profile (cached; measured once, bounded time) for policies that schedule by speed."""
+    try:
+        from hf_dspark.profiling import load_or_profile
+    except ImportError as err:  # the custom_generate route without hf_dspark installed
+        raise ValueError(
+            "this verification policy needs an SPS profile: set drafter.generation_config.sps_profile = "
+            "{'sample_batch_tokens': [...], 'sample_steps_per_sec': [...]} (or install hf-dspark to profile)"
+        ) from err
+    return load_or_profile(target, max_batch_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------------------

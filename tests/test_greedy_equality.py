@@ -128,3 +128,33 @@ def test_repetition_penalty_processor_composes(tiny_targets, trained_drafters, f
     target, drafter = tiny_targets[family], trained_drafters[family]
     prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[1]
     assert_same_greedy(target, drafter, prompt, max_new_tokens=24, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize("profile", [
+    {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]},  # verification expensive
+    {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]},  # verification almost free
+])
+def test_scheduler_policy_greedy_equality(tiny_targets, trained_drafters, family, profile):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    set_policy(drafter, "scheduler", sps_profile=profile)
+    try:
+        lengths = []
+        for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:3]:
+            assert_same_greedy(target, drafter, prompt, max_new_tokens=30)
+            lengths += drafter.last_stats.verified
+        assert len(set(lengths)) > 1 or profile["sample_steps_per_sec"][1] > 90, "the scheduler should vary lengths"
+    finally:
+        set_policy(drafter, "fixed")
+        del drafter.generation_config.sps_profile
+
+
+def test_scheduler_profiles_automatically(tiny_targets, trained_drafters, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    set_policy(drafter, "scheduler")
+    try:
+        prompt = random_prompts(48, 8, target.config.vocab_size, seed=1)[0]
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=12)
+        assert list((tmp_path / "profiles").glob("sps-*.json")), "a profile should have been cached"
+    finally:
+        set_policy(drafter, "fixed")

@@ -1,0 +1,192 @@
+"""Confidence calibration: Sequential Temperature Scaling (STS), ECE and ROC-AUC, reliability diagrams.
+
+STS: on held-out speculative-decoding rollouts, for block positions k = 1..g in order, pick one temperature T_k
+for the confidence logit (c_k = sigmoid(z_k / T_k)) minimising the Expected Calibration Error of the prefix
+survival a_k = prod_{i<=k} c_i against the observed event "drafts 1..k all accepted", T_1..T_{k-1} fixed.
+Dividing a logit by a positive temperature preserves order, so ROC-AUC per position is unchanged by design.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+DEFAULT_TEMPERATURE_GRID = torch.logspace(-1.3, 1.3, 131).tolist()  # 0.05 .. 20
+
+
+@dataclass
+class Rollouts:
+    """Per round: raw confidence logits [g], verified count, accepted count."""
+
+    confidence_logits: list[list[float]] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def extend_from_stats(self, stats) -> None:
+        for logits, v, a in zip(stats.confidence_logits, stats.verified, stats.accepted):
+            if logits:
+                self.confidence_logits.append(list(logits))
+                self.verified.append(int(v))
+                self.accepted.append(int(a))
+
+    def tensors(self):
+        return (torch.tensor(self.confidence_logits, dtype=torch.float64), torch.tensor(self.verified),
+                torch.tensor(self.accepted))
+
+    def to_dict(self):
+        return {"confidence_logits": self.confidence_logits, "verified": self.verified, "accepted": self.accepted}
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(data["confidence_logits"], data["verified"], data["accepted"])
+
+
+def expected_calibration_error(probs: torch.Tensor, events: torch.Tensor, num_bins: int = 15) -> float:
+    """ECE with equal-width bins: sum_b (n_b / n) |mean(event) - mean(prob)| over non-empty bins."""
+    probs, events = probs.double().flatten(), events.double().flatten()
+    if probs.numel() == 0:
+        return float("nan")
+    bins = torch.clamp((probs * num_bins).long(), max=num_bins - 1)
+    total = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, torch.ones_like(probs))
+    conf = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, probs)
+    acc = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, events)
+    nonempty = total > 0
+    gap = (acc[nonempty] - conf[nonempty]).abs()
+    return float(gap.sum() / probs.numel())
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN if one class is missing."""
+    scores, labels = scores.double().flatten(), labels.bool().flatten()
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    if unique.numel() < scores.numel():  # average ranks over ties
+        rank_sum = torch.zeros(unique.numel(), dtype=torch.float64).index_add_(
+            0, inverse, torch.arange(1, scores.numel() + 1, dtype=torch.float64))
+        ranks[order] = (rank_sum / counts)[inverse]
+    u = ranks[labels].sum() - positives * (positives + 1) / 2
+    return float(u / (positives * negatives))
+
+
+def prefix_survival(logits: torch.Tensor, temperatures: list[float] | None = None) -> torch.Tensor:
+    """a_k = prod_{i<=k} sigmoid(z_i / T_i): [N, g] -> [N, g]."""
+    if temperatures is not None:
+        logits = logits / torch.tensor(temperatures, dtype=logits.dtype)[: logits.shape[-1]]
+    return torch.cumprod(torch.sigmoid(logits), dim=-1)
+
+
+def _position_data(logits, verified, accepted, k: int):
+    """Rounds that verified position k (1-based): their logits and the event "prefix 1..k accepted"."""
+    rows = verified >= k
+    return logits[rows], (accepted[rows] >= k)
+
+
+def fit_sts(rollouts: Rollouts, grid: list[float] | None = None, num_bins: int = 15) -> dict:
+    """Sequential Temperature Scaling. Returns temperatures and per-position ECE before/after, ROC-AUC, counts."""
+    logits, verified, accepted = rollouts.tensors()
+    if logits.numel() == 0:
+        raise ValueError("no rollouts with confidences to calibrate on")
+    grid = grid or DEFAULT_TEMPERATURE_GRID
+    g = logits.shape[1]
+    temperatures: list[float] = []
+    report = {"ece_before": [], "ece_after": [], "auc": [], "num_samples": [], "positive_rate": []}
+    for k in range(1, g + 1):
+        z, events = _position_data(logits, verified, accepted, k)
+        if z.shape[0] == 0:
+            temperatures.append(1.0)
+            for key in report:
+                report[key].append(None if key != "num_samples" else 0)
+            continue
+        before = prefix_survival(z[:, :k])[:, -1]
+        fixed = prefix_survival(z[:, : k - 1], temperatures)[:, -1] if k > 1 else torch.ones(z.shape[0], dtype=z.dtype)
+        best_t, best_ece = 1.0, float("inf")
+        for t in grid:
+            candidate = fixed * torch.sigmoid(z[:, k - 1] / t)
+            ece = expected_calibration_error(candidate, events, num_bins)
+            if ece < best_ece - 1e-12:
+                best_t, best_ece = float(t), ece
+        temperatures.append(best_t)
+        report["ece_before"].append(expected_calibration_error(before, events, num_bins))
+        report["ece_after"].append(best_ece)
+        report["auc"].append(roc_auc(before, events))
+        report["num_samples"].append(int(z.shape[0]))
+        report["positive_rate"].append(float(events.double().mean()))
+    return {"temperatures": temperatures, **report}
+
+
+def sts_json(fit: dict, dataset: str) -> dict:
+    """The ``sts.json`` serving engines read."""
+    valid_before = [e for e in fit["ece_before"] if e is not None]
+    valid_after = [e for e in fit["ece_after"] if e is not None]
+    weights = [n for n, e in zip(fit["num_samples"], fit["ece_before"]) if e is not None]
+    total = max(1, sum(weights))
+    return {
+        "temperatures": fit["temperatures"],
+        "dataset": dataset,
+        "num_samples": int(fit["num_samples"][0]) if fit["num_samples"] else 0,
+        "ece_before": sum(e * w for e, w in zip(valid_before, weights)) / total,
+        "ece_after": sum(e * w for e, w in zip(valid_after, weights)) / total,
+        "ece_before_per_position": fit["ece_before"],
+        "ece_after_per_position": fit["ece_after"],
+        "auc_per_position": fit["auc"],
+    }
+
+
+def reliability_diagram(rollouts: Rollouts, temperatures: list[float] | None, path: str | Path,
+                        num_bins: int = 15) -> Path:
+    """Reliability diagram of prefix survival per position, before and (if given) after STS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logits, verified, accepted = rollouts.tensors()
+    g = logits.shape[1]
+    fig, axes = plt.subplots(1, g, figsize=(2.6 * g, 2.8), sharey=True)
+    axes = [axes] if g == 1 else list(axes)
+    edges = torch.linspace(0, 1, num_bins + 1)
+    for k, ax in enumerate(axes, 1):
+        z, events = _position_data(logits, verified, accepted, k)
+        ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
+        curves = [("before", prefix_survival(z[:, :k])[:, -1] if len(z) else torch.zeros(0), "tab:red")]
+        if temperatures is not None and len(z):
+            curves.append(("after STS", prefix_survival(z[:, :k], temperatures)[:, -1], "tab:blue"))
+        for label, probs, color in curves:
+            if probs.numel() == 0:
+                continue
+            bins = torch.clamp((probs * num_bins).long(), max=num_bins - 1)
+            xs, ys = [], []
+            for b in range(num_bins):
+                sel = bins == b
+                if sel.any():
+                    xs.append(float(probs[sel].mean()))
+                    ys.append(float(events[sel].double().mean()))
+            ax.plot(xs, ys, marker="o", ms=3, color=color, label=label)
+        ax.set_title(f"k={k} (n={len(z)})", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("predicted a_k", fontsize=8)
+    axes[0].set_ylabel("observed P(prefix accepted)", fontsize=8)
+    axes[0].legend(fontsize=7)
+    del edges
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
+    path = Path(folder) / "sts.json"
+    path.write_text(json.dumps(sts_json(fit, dataset), indent=2) + "\n", encoding="utf-8")
+    return path
