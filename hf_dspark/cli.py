@@ -103,6 +103,68 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Rollouts over prompt sets: tau, position-wise acceptance, tokens/s as ratios to plain generate()."""
+    import hf_dspark  # noqa: F401
+
+    from .defaults import load_drafter_for
+    from .evaluation import run_rollouts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = _load_target(args.target, dtype)
+    methods = {"plain": {"assistant": False}}
+    drafters = {}
+    for spec in args.drafter or [None]:
+        drafter, origin = load_drafter_for(target, spec, dtype=dtype)
+        label = "dspark" if len(args.drafter or [None]) == 1 else f"dspark[{spec}]"
+        drafters[label] = (drafter, origin)
+    for policy in args.policies:
+        name, _, value = policy.partition("=")
+        settings = {"assistant": True, "verification_policy": name}
+        if name == "fixed" and value:
+            settings["num_verify_tokens"] = int(value)
+        if name == "threshold":
+            settings["confidence_threshold"] = float(value or 0.5)
+        methods[policy] = settings
+    if args.prompt_lookup:
+        methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
+    reports = {}
+    for label, (drafter, origin) in drafters.items():
+        reports[label] = {"drafter": origin, "report": run_rollouts(
+            target, tokenizer, drafter, args.prompts, methods, num_prompts=args.num_prompts,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+            multi_turn=not args.first_turn_only)}
+    payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "results": reports}
+    if args.output:
+        from pathlib import Path
+
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(payload, indent=2))
+    for label, entry in reports.items():
+        print(f"== {label}: {entry['drafter']}")
+        for group, per_method in sorted(entry["report"].items()):
+            cells = [f"{name}: {r['tokens_per_s']:.1f} tok/s x{r['speedup']:.2f}"
+                     + (f" tau={r['accepted_length']:.2f}" if "accepted_length" in r else "")
+                     for name, r in per_method.items()]
+            print(f"{group:20s} " + " | ".join(cells))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .profiling import export_sps, load_or_profile, profile_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _ = _load_target(args.target, DTYPES[args.dtype])
+    sps = load_or_profile(target, args.max_batch_tokens, time_budget_s=args.time_budget, repeats=args.repeats)
+    print(json.dumps({"cache": str(profile_path(target)), **sps.to_dict()}))
+    if args.export:
+        export_sps(sps, args.export)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -159,6 +221,33 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--threads", type=int, default=None)
     train.set_defaults(func=cmd_train)
+
+    bench = sub.add_parser("bench", help="rollouts over prompt sets: tau, acceptance, tokens/s vs plain")
+    bench.add_argument("--prompts", nargs="+", required=True)
+    bench.add_argument("--drafter", nargs="*", default=None, help="drafter folder(s) (default: embedded)")
+    bench.add_argument("--target", default=None)
+    bench.add_argument("--policies", nargs="+", default=["fixed"],
+                       help="fixed | fixed=N | threshold=T | scheduler (one method each)")
+    bench.add_argument("--prompt-lookup", type=int, default=0, help="also run prompt-lookup decoding with N tokens")
+    bench.add_argument("--num-prompts", type=int, default=50, help="per prompt set")
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--first-turn-only", action="store_true")
+    bench.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--threads", type=int, default=None)
+    bench.add_argument("--output", default=None, help="write the JSON report here")
+    bench.set_defaults(func=cmd_bench)
+
+    prof = sub.add_parser("profile", help="profile the target's SPS(B) curve (cached per device/dtype/threads)")
+    prof.add_argument("--target", default=None)
+    prof.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    prof.add_argument("--max-batch-tokens", type=int, default=8)
+    prof.add_argument("--time-budget", type=float, default=60.0)
+    prof.add_argument("--repeats", type=int, default=5)
+    prof.add_argument("--threads", type=int, default=None)
+    prof.add_argument("--export", default=None, help="also write the serving-engine SPS JSON here")
+    prof.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -53,6 +53,10 @@ class DSparkConfig(PreTrainedConfig):
         confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
             block position for the confidence logit (set by calibration).
         num_anchors (`int`): anchors sampled per training sequence.
+        draft_vocab_size (`int`, *optional*): draft over a subset of the vocabulary (the most frequent target
+            tokens, stored in the checkpoint as ``draft_vocab``): the LM-head and sequential-head outputs shrink
+            from V to this size, which is what makes drafting cheap on a CPU. Tokens outside it get q = 0, so
+            drafting stays lossless; None drafts over the full vocabulary.
     """
 
     model_type = "dspark"
@@ -85,6 +89,7 @@ class DSparkConfig(PreTrainedConfig):
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
     num_anchors: int = 512
+    draft_vocab_size: int | None = None
 
     def __post_init__(self, **kwargs):
         if self.rope_parameters is None:
@@ -130,6 +135,8 @@ class DSparkConfig(PreTrainedConfig):
                 f"confidence_temperatures has {len(self.confidence_temperatures)} entries, expected block_size="
                 f"{self.block_size}"
             )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
             raise ValueError("confidence_temperatures must be positive")
 
@@ -137,6 +144,11 @@ class DSparkConfig(PreTrainedConfig):
     def uses_markov_embedding(self) -> bool:
         """Whether the drafter owns the token embedding ``W1`` of the sequential head."""
         return self.sequential_head != "none"
+
+    @property
+    def output_vocab_size(self) -> int:
+        """Width of the draft logits: the draft vocabulary, or the full vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def confidence_input_size(self) -> int:
@@ -222,6 +234,7 @@ class DSparkConfig(PreTrainedConfig):
             confidence_head_with_markov=config_dict.get("confidence_head_with_markov", False),
             confidence_temperatures=config_dict.get("confidence_temperatures"),
             num_anchors=config_dict.get("num_anchors", 512),
+            draft_vocab_size=_draft_vocab_size(config_dict),
             dtype=config_dict.get("dtype") or config_dict.get("torch_dtype"),
         )
 
@@ -264,6 +277,7 @@ class DSparkConfig(PreTrainedConfig):
             "enable_confidence_head": self.enable_confidence_head,
             "confidence_head_with_markov": self.confidence_head_with_markov and has_head,
             "sample_from_anchor": True,
+            **({"draft_vocab_size": self.draft_vocab_size} if self.draft_vocab_size else {}),
             "dflash_config": {
                 "mask_token_id": self.mask_token_id,
                 "target_layer_ids": list(self.target_layer_ids),
@@ -286,6 +300,11 @@ def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[in
     step = (end - start) / (num_layers - 1)
     ids = sorted({int(round(start + k * step)) for k in range(num_layers)})
     return ids
+
+
+def _draft_vocab_size(config_dict: dict[str, Any]) -> int | None:
+    size = config_dict.get("draft_vocab_size")
+    return None if size in (None, config_dict["vocab_size"]) else int(size)
 
 
 def _default_mask_token_id(text_config: PreTrainedConfig) -> int:

@@ -151,7 +151,7 @@ class DSparkMarkovHead(nn.Module):
     def __init__(self, config: DSparkConfig):
         super().__init__()
         self.markov_w1 = nn.Embedding(config.vocab_size, config.markov_rank)
-        self.markov_w2 = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(config.markov_rank, config.output_vocab_size, bias=False)
 
     def initial_state(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -270,7 +270,8 @@ class DSparkOutput(ModelOutput):
 class DSparkDraft:
     """One drafting round (``DSparkDrafter.draft``).
 
-    - ``base_logits`` [batch, g, V]: LM head on the block (U_k), before the sequential head.
+    - ``base_logits`` [batch, g, V_draft]: LM head on the block (U_k), before the sequential head, over the draft
+      vocabulary (the full vocabulary unless ``draft_vocab_size`` is set).
     - ``draft_ids`` [batch, g]: the sampled (or greedy) draft tokens.
     - ``draft_logits`` [batch, g, V]: the logits each draft token was sampled from, after the sequential head and
       every logits processor; ``softmax(draft_logits)`` is exactly q for rejection sampling.
@@ -328,6 +329,12 @@ class DSparkDrafter(DSparkPreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.markov_head = SEQUENTIAL_HEADS[config.sequential_head](config) if config.uses_markov_embedding else None
         self.confidence_head = DSparkConfidenceHead(config) if config.enable_confidence_head else None
+        if config.draft_vocab_size:
+            # Target token id of each draft-vocabulary entry (set from data by the trainer; saved with the weights).
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_vocab = None
+        self.__dict__["_draft_head_cache"] = None
         # Target-owned modules live outside the module tree: no parameters, no state-dict entries, no copies.
         self.__dict__["_shared"] = {"embed_tokens": None, "lm_head": None}
         self.generation_config = GenerationConfig(**DEFAULT_GENERATION_SETTINGS)
@@ -439,11 +446,42 @@ class DSparkDrafter(DSparkPreTrainedModel):
                     context_kv = (cache.keys[layer.self_attn.layer_idx], cache.values[layer.self_attn.layer_idx])
             hidden = layer(hidden, block_rope, context_kv, attention_mask)
         hidden = self.norm(hidden)
-        logits = None
-        if compute_logits:
-            lm_head = self._require_shared()[1]
-            logits = lm_head(hidden.to(lm_head.weight.dtype))
+        logits = self.output_logits(hidden) if compute_logits else None
         return DSparkOutput(hidden_states=hidden, logits=logits)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on drafter hidden states: [..., d] -> [..., output_vocab_size]."""
+        lm_head = self._require_shared()[1]
+        if self.draft_vocab is None:
+            return lm_head(hidden.to(lm_head.weight.dtype))
+        return F.linear(hidden.to(lm_head.weight.dtype), self._draft_head_weight(lm_head))
+
+    def _draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        # The draft-vocabulary rows of the (frozen) target LM head, gathered once and reused while unchanged.
+        weight = lm_head.weight
+        key = (weight.data_ptr(), weight._version, self.draft_vocab.data_ptr(), self.draft_vocab._version,
+               weight.device, weight.dtype)
+        cached = self._draft_head_cache
+        if cached is None or cached[0] != key:
+            rows = weight.detach().index_select(0, self.draft_vocab.to(weight.device))
+            self.__dict__["_draft_head_cache"] = cached = (key, rows)
+        return cached[1]
+
+    def to_full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scatter draft-vocabulary logits into the full vocabulary (-inf elsewhere: q = 0 there)."""
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(logits.device), logits)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Set the draft vocabulary (target token ids, distinct, length ``draft_vocab_size``)."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if self.draft_vocab is None or token_ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"expected {self.config.draft_vocab_size} draft-vocabulary ids, got {tuple(token_ids.shape)}")
+        if token_ids.unique().numel() != token_ids.numel() or not 0 <= int(token_ids.min()) <= int(token_ids.max()) < self.config.vocab_size:
+            raise ValueError("draft vocabulary ids must be distinct target token ids")
+        self.draft_vocab.copy_(token_ids.to(self.draft_vocab.device))
 
     def extend_context(self, cache: DSparkContextCache, target_hidden: torch.Tensor, start_position: int) -> None:
         """Append the K/V of newly verified positions ``start_position ..`` to ``cache`` without drafting."""
@@ -560,14 +598,18 @@ class DSparkDrafter(DSparkPreTrainedModel):
         anchor_ids = anchor_ids.reshape(-1, 1)
         sequence = anchor_ids if prefix_ids is None else torch.cat([prefix_ids, anchor_ids], dim=-1)
         processors = LogitsProcessorList()
+        head = None
         if self.markov_head is not None:
-            processors.append(SequentialHeadLogitsProcessor(self.markov_head, hidden, sequence.shape[1]))
+            head = SequentialHeadLogitsProcessor(self.markov_head, hidden, sequence.shape[1])
         if logits_processor:
             processors.extend(logits_processor)
-        draft_logits = base_logits.float().clone()
+        base = base_logits.float()
+        draft_logits = base.new_empty((*base.shape[:2], self.config.vocab_size))
         for k in range(base_logits.shape[1]):
-            # q_k: the exact distribution x_k is drawn from (sequential head + every processor, actual prefix).
-            draft_logits[:, k] = processors(sequence, draft_logits[:, k])
+            # q_k: the exact distribution x_k is drawn from (sequential head in draft space, then every processor
+            # over the full vocabulary, with the actually sampled prefix).
+            scores = base[:, k] if head is None else head(sequence, base[:, k])
+            draft_logits[:, k] = processors(sequence, self.to_full_vocab(scores))
             if do_sample:
                 probs = torch.softmax(draft_logits[:, k], dim=-1)
                 token = torch.multinomial(probs, num_samples=1, generator=generator)

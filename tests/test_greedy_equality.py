@@ -158,3 +158,18 @@ def test_scheduler_profiles_automatically(tiny_targets, trained_drafters, tmp_pa
         assert list((tmp_path / "profiles").glob("sps-*.json")), "a profile should have been cached"
     finally:
         set_policy(drafter, "fixed")
+
+
+@pytest.mark.parametrize("head", ["none", "markov", "rnn"])
+def test_draft_vocabulary_subset_is_lossless(tiny_targets, family, head):
+    target = tiny_targets[family]
+    drafter = make_drafter(target, head=head, block_size=4, draft_vocab_size=40)
+    drafter.set_draft_vocab(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(2))[:40])
+    for prompt in random_prompts(2, 7, target.config.vocab_size, seed=4):
+        assert_same_greedy(target, drafter, prompt, max_new_tokens=16)
+    draft = drafter.draft(torch.tensor([5]), 0 + 4, torch.zeros(1, 4, 128))
+    assert draft.base_logits.shape[-1] == 40 and draft.draft_logits.shape[-1] == target.config.vocab_size
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[drafter.draft_vocab] = False
+    assert torch.isinf(draft.draft_logits[0, :, outside]).all()  # q = 0 outside the draft vocabulary
+    assert bool(torch.isin(draft.draft_ids, drafter.draft_vocab).all())

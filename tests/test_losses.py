@@ -62,3 +62,13 @@ def test_losses_hand_computed():
     # soft label 1 - 0.5 * 1 = 0.5; BCE(sigmoid(0)=0.5, 0.5) = log 2
     assert abs(out["confidence"].item() - math.log(2)) < 1e-6
     assert abs(out["loss"].item() - (0.1 * math.log(2) + 0.9 * 1.0 + math.log(2))) < 1e-5
+
+
+def test_draft_vocabulary_losses():
+    # V = 4, draft vocabulary {0, 2}; target puts 0.5 on token 1 (outside) and 0.5 on token 0
+    target = torch.log(torch.tensor([[[[0.5, 0.5, 1e-12, 1e-12]]]]))
+    draft = torch.log(torch.tensor([[[[1.0, 1e-12]]]]))  # p_d = (1, 0) over {0, 2}
+    labels, valid = torch.tensor([[[1]]]), torch.ones(1, 1, 1, dtype=torch.bool)
+    out = dspark_losses(draft, target, labels, valid, None, draft_vocab=torch.tensor([0, 2]))
+    assert abs(out["tv"].item() - 1.0) < 1e-5  # |1 - 0.5| + |0 - 0| + 0.5 outside
+    assert out["ce"].item() == 0.0  # label outside the draft vocabulary: no CE

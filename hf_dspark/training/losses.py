@@ -108,19 +108,32 @@ def dspark_losses(
     confidence_logits: torch.Tensor | None,  # [b, A, g]
     gamma: float = 4.0,
     weights: dict[str, float] | None = None,
+    draft_vocab: torch.Tensor | None = None,  # [V_draft] target ids of the draft vocabulary, if any
 ) -> dict[str, torch.Tensor]:
     """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
     head against the analytic acceptance rate ``1 - 0.5 * ||p_d - p_t||_1``; each averaged with the per-position
-    decay. Returns the weighted total as ``"loss"`` and each term."""
+    decay. With a draft vocabulary, p_d is zero outside it: the target's mass there counts fully in the L1 term,
+    and labels outside it get no CE. Returns the weighted total as ``"loss"`` and each term."""
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
     w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
     denom = w.sum().clamp(min=1e-6)
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
-    ce = -log_pd.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    p_d = log_pd.exp()
     p_t = F.softmax(target_logits.float(), dim=-1)
-    l1 = (p_d - p_t).abs().sum(dim=-1)
-    out = {"ce": (ce * w).sum() / denom, "tv": (l1 * w).sum() / denom}
+    draft_labels, in_vocab = labels, torch.ones_like(valid)
+    outside = 0.0
+    if draft_vocab is not None:
+        p_t = p_t.index_select(-1, draft_vocab)
+        outside = (1 - p_t.sum(dim=-1)).clamp(min=0)
+        lookup = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        lookup[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
+        draft_labels = lookup[labels]
+        in_vocab = draft_labels >= 0
+        draft_labels = draft_labels.clamp(min=0)
+    ce = -log_pd.gather(-1, draft_labels.unsqueeze(-1)).squeeze(-1)
+    ce_w = w * in_vocab.float()
+    p_d = log_pd.exp()
+    l1 = (p_d - p_t).abs().sum(dim=-1) + outside
+    out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
     total = weights["ce"] * out["ce"] + weights["tv"] * out["tv"]
     if confidence_logits is not None:
         soft_label = (1 - 0.5 * l1).clamp(0, 1).detach()
@@ -129,7 +142,10 @@ def dspark_losses(
         total = total + weights["confidence"] * out["confidence"]
     out["loss"] = total
     with torch.no_grad():
-        out["accuracy"] = ((draft_logits.argmax(-1) == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
+        predicted = draft_logits.argmax(-1)
+        if draft_vocab is not None:
+            predicted = draft_vocab[predicted]
+        out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
     return out
 
 
@@ -160,10 +176,11 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
     base = out.logits.view(b, num, g, -1)
     draft_logits = drafter.sequential_logits(base, hidden, blocks.prev_ids)
     lm_head = drafter.lm_head
-    with torch.no_grad():
+    with torch.no_grad():  # target logits over the full vocabulary, only at the supervised block positions
         gathered = target_last_hidden.gather(
             1, blocks.target_positions.view(b, -1, 1).expand(-1, -1, target_last_hidden.shape[-1])
         )
         target_logits = lm_head(gathered.to(lm_head.weight.dtype)).view(b, num, g, -1)
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
-    return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights)
+    return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
+                         draft_vocab=drafter.draft_vocab)
