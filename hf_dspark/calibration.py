@@ -190,3 +190,26 @@ def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
     path = Path(folder) / "sts.json"
     path.write_text(json.dumps(sts_json(fit, dataset), indent=2) + "\n", encoding="utf-8")
     return path
+
+
+def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_tokens: int = 128,
+                     temperature: float = 0.0, seed: int = 0, progress: bool = True) -> Rollouts:
+    """Speculative-decoding rollouts verifying the WHOLE block every round (so every position is observed)."""
+    from tqdm.auto import tqdm
+
+    saved = (drafter.generation_config.verification_policy, getattr(drafter.generation_config, "num_verify_tokens", None))
+    drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = "fixed", None
+    rollouts = Rollouts()
+    try:
+        for index, record in enumerate(tqdm(records, desc="calibration rollouts", disable=not progress)):
+            inputs = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
+                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, assistant_model=drafter)
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_p=None, top_k=None)
+            torch.manual_seed(seed * 100_003 + index)
+            target.generate(**inputs, **kwargs)
+            rollouts.extend_from_stats(drafter.last_stats)
+    finally:
+        drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = saved
+    return rollouts

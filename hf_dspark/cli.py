@@ -92,7 +92,8 @@ def cmd_train(args) -> int:
         output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
         sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
         markov_rank=args.markov_rank, target_layer_ids=layer_ids,
-        enable_confidence_head=not args.no_confidence_head, max_steps=args.max_steps,
+        enable_confidence_head=not args.no_confidence_head, draft_vocab_size=args.draft_vocab_size,
+        max_steps=args.max_steps,
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
         mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
@@ -152,6 +153,52 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    """Sequential Temperature Scaling on held-out rollouts; writes the calibrated drafter, sts.json, a plot."""
+    import random
+    from pathlib import Path
+
+    import hf_dspark  # noqa: F401
+
+    from .calibration import collect_rollouts, fit_sts, reliability_diagram, write_sts
+    from .defaults import load_drafter_for
+    from .prompts import load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    target, tokenizer = _load_target(args.target, dtype)
+    drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
+    if drafter.confidence_head is None:
+        raise ValueError(f"{origin} has no confidence head to calibrate")
+    records = load_prompts(args.prompts)
+    excluded = set()
+    for folder in args.exclude or []:
+        from .training.data import iter_regenerated
+
+        excluded |= {r["id"] for r in iter_regenerated(folder)}
+    records = [r for r in records if r["id"] not in excluded]
+    random.Random(args.seed).shuffle(records)
+    records = records[: args.num_prompts]
+    drafter.config.confidence_temperatures = None
+    rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed)
+    fit = fit_sts(rollouts)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    drafter.config.confidence_temperatures = fit["temperatures"]
+    drafter.save_pretrained(output)
+    dataset = ",".join(sorted({r["set"] for r in records}))
+    write_sts(output, fit, dataset)
+    reliability_diagram(rollouts, fit["temperatures"], output / "reliability.png")
+    (output / "calibration_report.json").write_text(json.dumps({"fit": fit, "rollouts": rollouts.to_dict(),
+                                                                  "prompts": len(records)}, indent=2))
+    for k, (t, before, after, auc) in enumerate(zip(fit["temperatures"], fit["ece_before"], fit["ece_after"],
+                                                    fit["auc"]), 1):
+        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+        print(f"position {k}: T={t:.3f} ECE {fmt(before)} -> {fmt(after)} AUC {fmt(auc)} n={fit['num_samples'][k-1]}")
+    return 0
+
+
 def cmd_profile(args) -> int:
     from .profiling import export_sps, load_or_profile, profile_path
 
@@ -208,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--markov-rank", type=int, default=256)
     train.add_argument("--target-layer-ids", default=None, help="comma-separated, reference numbering")
     train.add_argument("--no-confidence-head", action="store_true")
+    train.add_argument("--draft-vocab-size", type=int, default=None,
+                       help="draft over the N most frequent response tokens (cheap drafting; default: full vocab)")
     train.add_argument("--max-steps", type=int, default=1000)
     train.add_argument("--lr", type=float, default=6e-4)
     train.add_argument("--warmup-ratio", type=float, default=0.04)
@@ -238,6 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--output", default=None, help="write the JSON report here")
     bench.set_defaults(func=cmd_bench)
+
+    cal = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head")
+    cal.add_argument("--drafter", default=None)
+    cal.add_argument("--target", default=None)
+    cal.add_argument("--prompts", nargs="+", required=True, help="calibration prompts (disjoint from train/eval)")
+    cal.add_argument("--exclude", nargs="*", default=None, help="regenerated data folders whose prompts to skip")
+    cal.add_argument("--num-prompts", type=int, default=100)
+    cal.add_argument("--max-new-tokens", type=int, default=128)
+    cal.add_argument("--temperature", type=float, default=0.0)
+    cal.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--threads", type=int, default=None)
+    cal.add_argument("--output", required=True, help="folder for the calibrated drafter, sts.json, plot")
+    cal.set_defaults(func=cmd_calibrate)
 
     prof = sub.add_parser("profile", help="profile the target's SPS(B) curve (cached per device/dtype/threads)")
     prof.add_argument("--target", default=None)

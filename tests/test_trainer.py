@@ -52,3 +52,13 @@ def test_resume_refuses_changed_settings(tiny_targets, tmp_path):
 
     with pytest.raises(ValueError, match="block_size=4"):
         DSparkTrainer(make_args(tmp_path, "run", max_steps=3, block_size=5), target=target)
+
+
+def test_draft_vocabulary_from_data(tiny_targets, tmp_path):
+    target = tiny_targets["qwen3"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    trainer = DSparkTrainer(make_args(tmp_path, "dv", max_steps=2, draft_vocab_size=20), target=target)
+    assert trainer.drafter.draft_vocab.numel() == 20 and 0 < trainer.draft_vocab_coverage <= 1
+    trainer.train(progress=False)
+    reloaded = DSparkDrafter.from_pretrained(tmp_path / "dv" / "drafter")
+    assert torch.equal(reloaded.draft_vocab, trainer.drafter.draft_vocab)

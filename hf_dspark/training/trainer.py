@@ -43,6 +43,7 @@ class TrainingArguments:
     markov_rank: int = 256
     target_layer_ids: list[int] | None = None
     enable_confidence_head: bool = True
+    draft_vocab_size: int | None = None  # most frequent response tokens of the training data
     # optimisation
     max_steps: int = 1000
     learning_rate: float = 6e-4
@@ -96,6 +97,30 @@ def load_sequences(shards: list[str], max_length: int) -> list[dict]:
     return sequences
 
 
+def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent response tokens (plus ``always``, e.g. EOS), and the fraction of response
+    tokens they cover."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for seq in sequences:
+        counts.update(t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m)
+    chosen = list(dict.fromkeys([int(t) for t in always]))
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        if token not in chosen:
+            chosen.append(token)
+    filler = 0
+    while len(chosen) < size:  # fewer distinct tokens than requested: pad with unused ids
+        if filler not in chosen:
+            chosen.append(filler)
+        filler += 1
+    total = sum(counts.values())
+    covered = sum(counts[t] for t in chosen)
+    return torch.tensor(sorted(chosen[:size])), covered / total if total else 0.0
+
+
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     width = max(len(b["input_ids"]) for b in batch)
     ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -141,6 +166,11 @@ class DSparkTrainer:
         self.drafter.train()
         self.shards = state["shards"] if state else list_shards(args.data_dirs)
         self.sequences = load_sequences(self.shards, args.max_length)
+        if not state and not args.init_drafter and self.drafter.draft_vocab is not None:
+            vocab, coverage = frequent_tokens(self.sequences, args.draft_vocab_size, self._special_ids())
+            self.drafter.set_draft_vocab(vocab)
+            self.draft_vocab_coverage = coverage
+            logger.info("draft vocabulary: %d tokens cover %.2f%% of response tokens", len(vocab), 100 * coverage)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
                                            betas=(0.9, 0.95))
@@ -185,12 +215,20 @@ class DSparkTrainer:
             sequential_head=self.args.sequential_head, markov_rank=self.args.markov_rank,
             enable_confidence_head=self.args.enable_confidence_head,
             confidence_head_with_markov=self.args.sequential_head != "none",
+            draft_vocab_size=self.args.draft_vocab_size,
         )
         if self.args.target_layer_ids is not None:
             overrides["target_layer_ids"] = self.args.target_layer_ids
         torch.manual_seed(self.args.seed)
         config = DSparkConfig.for_target(self.target.config, **overrides)
         return DSparkDrafter(config).to(torch.float32)
+
+    def _special_ids(self) -> list[int]:
+        ids = []
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = getattr(self.target.generation_config, key, None)
+            ids += value if isinstance(value, list) else ([value] if value is not None else [])
+        return ids
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
