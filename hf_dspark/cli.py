@@ -90,6 +90,7 @@ def cmd_train(args) -> int:
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
     training_args = TrainingArguments(
         output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
+        features_dir=args.features,
         sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
         markov_rank=args.markov_rank, target_layer_ids=layer_ids,
         enable_confidence_head=not args.no_confidence_head, draft_vocab_size=args.draft_vocab_size,
@@ -100,6 +101,22 @@ def cmd_train(args) -> int:
         log_every=args.log_every, threads=args.threads,
     )
     summary = DSparkTrainer(training_args).train()
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_features(args) -> int:
+    from .configuration_dspark import DSparkConfig
+    from .training.features import cache_features
+    from .training.trainer import list_shards
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, _ = _load_target(args.target, DTYPES[args.target_dtype])
+    layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
+                 else DSparkConfig.for_target(target.config).target_layer_ids)
+    summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
+                             dtype=DTYPES[args.dtype], batch_size=args.batch_size)
     print(json.dumps(summary))
     return 0
 
@@ -249,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", required=True, help="run folder: checkpoints, logs, final drafter")
     train.add_argument("--target", default=None)
     train.add_argument("--init-drafter", default=None, help="start from this drafter folder")
+    train.add_argument("--features", default=None, help="cached target features (hf-dspark features); default online")
     train.add_argument("--sequential-head", choices=["none", "markov", "gated", "rnn"], default="markov")
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--num-layers", type=int, default=2)
@@ -270,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--threads", type=int, default=None)
     train.set_defaults(func=cmd_train)
+
+    feat = sub.add_parser("features", help="cache target features of regenerated data (resumable)")
+    feat.add_argument("--data", nargs="+", required=True)
+    feat.add_argument("--output", required=True)
+    feat.add_argument("--target", default=None)
+    feat.add_argument("--target-layer-ids", default=None, help="comma-separated (default: the drafter default)")
+    feat.add_argument("--max-length", type=int, default=512)
+    feat.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    feat.add_argument("--target-dtype", choices=sorted(DTYPES), default="float32")
+    feat.add_argument("--batch-size", type=int, default=4)
+    feat.add_argument("--threads", type=int, default=None)
+    feat.set_defaults(func=cmd_features)
 
     bench = sub.add_parser("bench", help="rollouts over prompt sets: tau, acceptance, tokens/s vs plain")
     bench.add_argument("--prompts", nargs="+", required=True)

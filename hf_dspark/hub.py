@@ -29,3 +29,22 @@ def export_reference_format(drafter: DSparkDrafter, folder: str | Path, dtype: t
     config["dtype"] = str(dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return folder
+
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dspark_drafter.md.jinja"
+
+
+def render_model_card(drafter: DSparkDrafter, *, name: str, repo_id: str, target_name: str, training_text: str,
+                      evaluation_text: str, template: str | Path | None = None) -> str:
+    """Render the model card template with the drafter's config and the given training / evaluation texts."""
+    import jinja2
+
+    path = Path(template) if template else MODEL_CARD_TEMPLATE
+    if not path.is_file():
+        raise FileNotFoundError(f"model card template not found: {path}")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(path.read_text(encoding="utf-8")).render(
+        name=name, repo_id=repo_id, target_name=target_name, config=drafter.config,
+        num_parameters=sum(p.numel() for p in drafter.parameters()), training_text=training_text,
+        evaluation_text=evaluation_text,
+    )

@@ -62,3 +62,27 @@ def test_draft_vocabulary_from_data(tiny_targets, tmp_path):
     trainer.train(progress=False)
     reloaded = DSparkDrafter.from_pretrained(tmp_path / "dv" / "drafter")
     assert torch.equal(reloaded.draft_vocab, trainer.drafter.draft_vocab)
+
+
+def test_cached_features_match_online(tiny_targets, tmp_path):
+    from hf_dspark.training.features import cache_features
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    cache_features(target, [str(tmp_path / "data" / "shard-00000.jsonl")], tmp_path / "feat", [0, 2], 512,
+                   dtype=torch.float32, progress=False)
+    online = DSparkTrainer(make_args(tmp_path, "online", max_steps=3), target=target)
+    cached = DSparkTrainer(make_args(tmp_path, "cached", max_steps=3, features_dir=str(tmp_path / "feat")),
+                           target=target)
+    batch = online._next_batch()
+    cached._next_batch()
+    a, b = online._target_features(batch), cached._target_features(batch)
+    n = int(batch["attention_mask"][0].sum())
+    torch.testing.assert_close(a[0][0, :n], b[0][0, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a[1][0, :n], b[1][0, :n], atol=1e-5, rtol=1e-5)
+    online.train(progress=False)
+    cached.train(progress=False)
+    x = DSparkDrafter.from_pretrained(tmp_path / "online" / "drafter").state_dict()
+    y = DSparkDrafter.from_pretrained(tmp_path / "cached" / "drafter").state_dict()
+    for name in x:
+        torch.testing.assert_close(x[name], y[name], atol=1e-4, rtol=1e-4, msg=name)

@@ -35,6 +35,7 @@ class TrainingArguments:
     output_dir: str
     data_dirs: list[str]
     target: str | None = None  # None: SmolLM2-135M-Instruct
+    features_dir: str | None = None  # cached target features (hf-dspark features); None: run the target online
     init_drafter: str | None = None  # continue from a drafter folder instead of a fresh one
     # drafter shape (ignored with init_drafter)
     sequential_head: str = "markov"
@@ -166,6 +167,12 @@ class DSparkTrainer:
         self.drafter.train()
         self.shards = state["shards"] if state else list_shards(args.data_dirs)
         self.sequences = load_sequences(self.shards, args.max_length)
+        self.features = None
+        if args.features_dir:
+            from .features import FeatureStore
+
+            self.features = FeatureStore(args.features_dir, self.shards, self.drafter.config.target_layer_ids,
+                                         args.max_length)
         if not state and not args.init_drafter and self.drafter.draft_vocab is not None:
             vocab, coverage = frequent_tokens(self.sequences, args.draft_vocab_size, self._special_ids())
             self.drafter.set_draft_vocab(vocab)
@@ -276,10 +283,15 @@ class DSparkTrainer:
         chunk = order[self.position : self.position + per_step]
         self.position += per_step
         mine = chunk[self.accelerator.process_index :: self.accelerator.num_processes]
-        return collate([self.sequences[i] for i in mine], self.pad_id)
+        batch = collate([self.sequences[i] for i in mine], self.pad_id)
+        batch["index"] = torch.tensor(mine)
+        return batch
 
     @torch.no_grad()
     def _target_features(self, batch):
+        if self.features is not None:
+            hidden, last = self.features.batch(batch["index"].tolist(), batch["input_ids"].shape[1])
+            return hidden.to(self.accelerator.device), last.to(self.accelerator.device)
         out = self.target(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],

@@ -1,0 +1,101 @@
+"""Cached target features: the hidden states of ``target_layer_ids`` (concatenated) and the final pre-LM-head
+hidden state for every token of the regenerated data, in fp16/bf16 safetensors shards (one per data shard).
+
+Training then reads features instead of running the target each epoch; target logits are recomputed from the final
+hidden state only at supervised block positions (storing full-vocabulary logits would be prohibitive).
+Resumable: a features shard is written to a temporary file and renamed; finished shards are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .trainer import load_sequences
+
+
+def features_name(shard: str | Path) -> str:
+    return f"features-{Path(shard).stem}.safetensors"
+
+
+@torch.no_grad()
+def cache_features(target, shards: list[str], output_dir: str | Path, target_layer_ids: list[int], max_length: int,
+                   dtype: torch.dtype = torch.bfloat16, batch_size: int = 4, progress: bool = True) -> dict:
+    from tqdm.auto import tqdm
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = output_dir / "features.json"
+    meta = {"target_layer_ids": list(target_layer_ids), "max_length": max_length, "dtype": str(dtype),
+            "target": getattr(target.config, "_name_or_path", "")}
+    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
+        raise ValueError(f"{output_dir} holds features with other settings ({meta_path.read_text()}); use a new folder")
+    meta_path.write_text(json.dumps(meta, indent=2))
+    indices = [i + 1 for i in target_layer_ids]
+    last = target.config.get_text_config().num_hidden_layers
+    written = 0
+    for shard in tqdm(shards, desc="target features", disable=not progress):
+        final = output_dir / features_name(shard)
+        if final.exists():
+            continue
+        sequences = load_sequences([shard], max_length)
+        hidden_rows, last_rows, lengths = [], [], []
+        for start in range(0, len(sequences), batch_size):
+            batch = sequences[start : start + batch_size]
+            width = max(len(s["input_ids"]) for s in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, s in enumerate(batch):
+                ids[row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+                attention[row, : len(s["input_ids"])] = 1
+            out = target(input_ids=ids.to(target.device), attention_mask=attention.to(target.device),
+                         output_hidden_states=indices + [last], logits_to_keep=1)
+            taps = torch.cat([out.hidden_states[i] for i in indices], dim=-1)
+            for row, s in enumerate(batch):
+                n = len(s["input_ids"])
+                hidden_rows.append(taps[row, :n].to(dtype).cpu())
+                last_rows.append(out.hidden_states[last][row, :n].to(dtype).cpu())
+                lengths.append(n)
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        tmp = final.with_suffix(".tmp")
+        save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "offsets": offsets},
+                  str(tmp), metadata={"shard": Path(shard).name})
+        os.replace(tmp, final)
+        written += 1
+    return {"output_dir": str(output_dir), "written": written, "shards": len(shards)}
+
+
+class FeatureStore:
+    """Features of the sequences of ``shards`` (same order as ``load_sequences``), loaded into memory."""
+
+    def __init__(self, features_dir: str | Path, shards: list[str], target_layer_ids: list[int], max_length: int):
+        features_dir = Path(features_dir)
+        meta = json.loads((features_dir / "features.json").read_text())
+        if meta["target_layer_ids"] != list(target_layer_ids) or meta["max_length"] != max_length:
+            raise ValueError(
+                f"features in {features_dir} were cached for target_layer_ids={meta['target_layer_ids']}, "
+                f"max_length={meta['max_length']}; the run wants {list(target_layer_ids)}, {max_length}"
+            )
+        self.hidden, self.last = [], []
+        for shard in shards:
+            path = features_dir / features_name(shard)
+            if not path.is_file():
+                raise FileNotFoundError(f"missing cached features for {shard}: run `hf-dspark features` first")
+            blob = load_file(str(path))
+            offsets = blob["offsets"].tolist()
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                self.hidden.append(blob["hidden"][a:b])
+                self.last.append(blob["last"][a:b])
+
+    def batch(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.zeros(len(indices), width, self.hidden[0].shape[-1])
+        last = torch.zeros(len(indices), width, self.last[0].shape[-1])
+        for row, i in enumerate(indices):
+            n = self.hidden[i].shape[0]
+            hidden[row, :n] = self.hidden[i].float()
+            last[row, :n] = self.last[i].float()
+        return hidden, last
