@@ -90,7 +90,7 @@ def cmd_train(args) -> int:
     layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
     training_args = TrainingArguments(
         output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
-        features_dir=args.features,
+        features_dir=args.features, lora=args.lora, lora_rank=args.lora_rank,
         sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
         markov_rank=args.markov_rank, target_layer_ids=layer_ids,
         enable_confidence_head=not args.no_confidence_head, draft_vocab_size=args.draft_vocab_size,
@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", required=True, help="run folder: checkpoints, logs, final drafter")
     train.add_argument("--target", default=None)
     train.add_argument("--init-drafter", default=None, help="start from this drafter folder")
+    train.add_argument("--lora", action="store_true", help="PEFT LoRA fine-tuning of --init-drafter, merged at the end")
+    train.add_argument("--lora-rank", type=int, default=16)
     train.add_argument("--features", default=None, help="cached target features (hf-dspark features); default online")
     train.add_argument("--sequential-head", choices=["none", "markov", "gated", "rnn"], default="markov")
     train.add_argument("--block-size", type=int, default=7)

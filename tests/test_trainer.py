@@ -86,3 +86,25 @@ def test_cached_features_match_online(tiny_targets, tmp_path):
     y = DSparkDrafter.from_pretrained(tmp_path / "cached" / "drafter").state_dict()
     for name in x:
         torch.testing.assert_close(x[name], y[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_lora_fine_tuning_merges(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    DSparkTrainer(make_args(tmp_path, "base", max_steps=2), target=target).train(progress=False)
+    base = str(tmp_path / "base" / "drafter")
+    trainer = DSparkTrainer(make_args(tmp_path, "lora", max_steps=4, init_drafter=base, lora=True, lora_rank=4),
+                            target=target)
+    trainable = [n for n, p in trainer.drafter.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.train(progress=False, stop_at_step=2)
+    resumed = DSparkTrainer(make_args(tmp_path, "lora", max_steps=4, init_drafter=base, lora=True, lora_rank=4),
+                            target=target)
+    assert resumed.step == 2
+    resumed.train(progress=False)
+    merged = DSparkDrafter.from_pretrained(tmp_path / "lora" / "drafter")
+    original = DSparkDrafter.from_pretrained(base)
+    assert set(merged.state_dict()) == set(original.state_dict())  # plain drafter after merge
+    changed = [n for n in original.state_dict() if not torch.equal(original.state_dict()[n], merged.state_dict()[n])]
+    assert any("q_proj" in n for n in changed) and not any("markov" in n for n in changed)
+    assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()

@@ -45,6 +45,12 @@ class TrainingArguments:
     target_layer_ids: list[int] | None = None
     enable_confidence_head: bool = True
     draft_vocab_size: int | None = None  # most frequent response tokens of the training data
+    # PEFT LoRA fine-tuning of an existing drafter (``init_drafter``); merged into the final drafter
+    lora: bool = False
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc"])
     # optimisation
     max_steps: int = 1000
     learning_rate: float = 6e-4
@@ -164,6 +170,7 @@ class DSparkTrainer:
         self.tokenizer = tokenizer
         self.drafter = self._build_drafter(state)
         self.drafter.attach_target(self.target)
+        self.peft_model = self._apply_lora(state) if args.lora else None
         self.drafter.train()
         self.shards = state["shards"] if state else list_shards(args.data_dirs)
         self.sequences = load_sequences(self.shards, args.max_length)
@@ -212,8 +219,20 @@ class DSparkTrainer:
                 )
         return state
 
-    def _build_drafter(self, state: dict | None) -> DSparkDrafter:
+    def _apply_lora(self, state: dict | None):
+        """Inject LoRA adapters in place (the drafter keeps its class; only adapter weights train)."""
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if not self.args.init_drafter:
+            raise ValueError("--lora fine-tunes an existing drafter: pass --init-drafter")
         if state:
+            return PeftModel.from_pretrained(self.drafter, self.checkpoint_dir / "adapter", is_trainable=True)
+        config = LoraConfig(r=self.args.lora_rank, lora_alpha=self.args.lora_alpha,
+                            target_modules=self.args.lora_target_modules, lora_dropout=0.0, bias="none")
+        return get_peft_model(self.drafter, config)
+
+    def _build_drafter(self, state: dict | None) -> DSparkDrafter:
+        if state and not self.args.lora:
             return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
         if self.args.init_drafter:
             return DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
@@ -245,7 +264,10 @@ class DSparkTrainer:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        self._unwrapped.save_pretrained(tmp / "drafter")
+        if self.peft_model is not None:
+            self.peft_model.save_pretrained(tmp / "adapter")
+        else:
+            self._unwrapped.save_pretrained(tmp / "drafter")
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -356,7 +378,12 @@ class DSparkTrainer:
             writer.close()
         final = self.output_dir / "drafter"
         if self.accelerator.is_main_process:
-            self._unwrapped.save_pretrained(final)
+            if self.peft_model is not None:
+                self.peft_model.save_pretrained(self.output_dir / "adapter")
+                merged = self.peft_model.merge_and_unload()
+                merged.save_pretrained(final)
+            else:
+                self._unwrapped.save_pretrained(final)
         return {"step": self.step, "final": str(final), **last}
 
 
