@@ -79,7 +79,8 @@ def cmd_data(args) -> int:
         max_prompts=args.max_prompts, dtype=args.dtype,
     )
     target, tokenizer = _load_target(args.target, DTYPES[args.dtype])
-    summary = regenerate(target, tokenizer, args.output, settings)
+    summary = regenerate(target, tokenizer, args.output, settings, worker_index=args.worker_index,
+                         num_workers=args.num_workers)
     print(json.dumps(summary))
     return 0
 
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-prompts", type=int, default=None)
     data.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     data.add_argument("--threads", type=int, default=None)
+    data.add_argument("--num-workers", type=int, default=1, help="split shards over this many processes")
+    data.add_argument("--worker-index", type=int, default=0, help="this process's share (0..num-workers-1)")
     data.set_defaults(func=cmd_data)
 
     train = sub.add_parser("train", help="train a DSpark drafter (resumable: re-run the same command)")

