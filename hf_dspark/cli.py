@@ -117,7 +117,8 @@ def cmd_features(args) -> int:
     layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
                  else DSparkConfig.for_target(target.config).target_layer_ids)
     summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
-                             dtype=DTYPES[args.dtype], batch_size=args.batch_size)
+                             dtype=DTYPES[args.dtype], batch_size=args.batch_size, worker_index=args.worker_index,
+                             num_workers=args.num_workers)
     print(json.dumps(summary))
     return 0
 
@@ -304,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     feat.add_argument("--target-dtype", choices=sorted(DTYPES), default="float32")
     feat.add_argument("--batch-size", type=int, default=4)
     feat.add_argument("--threads", type=int, default=None)
+    feat.add_argument("--num-workers", type=int, default=1)
+    feat.add_argument("--worker-index", type=int, default=0)
     feat.set_defaults(func=cmd_features)
 
     bench = sub.add_parser("bench", help="rollouts over prompt sets: tau, acceptance, tokens/s vs plain")

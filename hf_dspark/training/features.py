@@ -24,7 +24,8 @@ def features_name(shard: str | Path) -> str:
 
 @torch.no_grad()
 def cache_features(target, shards: list[str], output_dir: str | Path, target_layer_ids: list[int], max_length: int,
-                   dtype: torch.dtype = torch.bfloat16, batch_size: int = 4, progress: bool = True) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, batch_size: int = 4, progress: bool = True,
+                   worker_index: int = 0, num_workers: int = 1) -> dict:
     from tqdm.auto import tqdm
 
     output_dir = Path(output_dir)
@@ -38,7 +39,8 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
     indices = [i + 1 for i in target_layer_ids]
     last = target.config.get_text_config().num_hidden_layers
     written = 0
-    for shard in tqdm(shards, desc="target features", disable=not progress):
+    mine = [shard for i, shard in enumerate(shards) if i % num_workers == worker_index]
+    for shard in tqdm(mine, desc="target features", disable=not progress):
         final = output_dir / features_name(shard)
         if final.exists():
             continue
