@@ -653,7 +653,7 @@ class DSparkDrafter(DSparkPreTrainedModel):
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
         if reference:
             embed, lm_head = _load_reference_shared(pretrained_model_name_or_path, model.config, kwargs)
-            model.set_shared_modules(embed.to(model.device), lm_head.to(model.device))
+            model.set_shared_modules(embed.to(model.device, model.dtype), lm_head.to(model.device, model.dtype))
         generation_dict = _read_json(pretrained_model_name_or_path, "generation_config.json", kwargs)
         if generation_dict is not None:
             settings = dict(DEFAULT_GENERATION_SETTINGS)
