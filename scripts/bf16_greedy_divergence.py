@@ -35,12 +35,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     records = load_prompts(args.prompts)
     random.Random(args.seed).shuffle(records)
     records = records[: args.num_prompts]
     report = {}
-    for dtype_name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
         target, tokenizer = load_smollm2(dtype=dtype)
         drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
         rows = {"dspark": [], "prompt_lookup": []}
