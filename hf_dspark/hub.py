@@ -24,6 +24,10 @@ def export_reference_format(drafter: DSparkDrafter, folder: str | Path, dtype: t
     tensors = {name: t.detach().to(dtype).contiguous() for name, t in drafter.state_dict().items()}
     tensors["embed_tokens.weight"] = drafter.embed_tokens.weight.detach().to(dtype).contiguous().clone()
     tensors["lm_head.weight"] = drafter.lm_head.weight.detach().to(dtype).contiguous().clone()
+    if drafter.draft_vocab is not None:
+        # Draft-vocabulary drafters also carry EAGLE-3 style offsets (target id = draft index + d2t[draft index]).
+        tensors["draft_vocab"] = drafter.draft_vocab.detach().clone()
+        tensors["d2t"] = (drafter.draft_vocab - torch.arange(drafter.draft_vocab.numel())).detach().clone()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = drafter.config.to_reference_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")

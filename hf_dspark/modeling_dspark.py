@@ -299,7 +299,7 @@ class DSparkPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DSparkDecoderLayer"]
     _supports_sdpa = True
     # Reference-format folders carry copies of the target's embedding and LM head; they are loaded separately.
-    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$", r"^lm_head\.weight$"]
+    _keys_to_ignore_on_load_unexpected = [r"^embed_tokens\.weight$", r"^lm_head\.weight$", r"^d2t$"]
 
     def _init_weights(self, module):
         std = self.config.initializer_range

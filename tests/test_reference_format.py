@@ -142,3 +142,21 @@ def test_shared_modules_are_not_copied(tiny_targets):
     assert not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
     target_ptrs = {p.data_ptr() for p in target.parameters()}
     assert not any(p.data_ptr() in target_ptrs for p in drafter.parameters())
+
+
+def test_draft_vocabulary_reference_round_trip(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    drafter = make_drafter(target, head="markov", block_size=4, draft_vocab_size=32)
+    drafter.set_draft_vocab(torch.arange(5, 37))
+    folder = export_reference_format(drafter, tmp_path / "ref")
+    tensors = load_file(folder / "model.safetensors")
+    assert torch.equal(tensors["d2t"], torch.full((32,), 5))
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 32
+    again = DSparkDrafter.from_pretrained(folder).eval()
+    assert torch.equal(again.draft_vocab, drafter.draft_vocab)
+    prompt = random_prompts(1, 6, target.config.vocab_size)[0]
+    with torch.no_grad():
+        hidden = target(prompt, output_hidden_states=True).hidden_states
+    features = drafter.gather_target_hidden(hidden, drafter.config.target_layer_ids)
+    torch.testing.assert_close(drafter.draft(prompt[:, -1], 6, features).draft_logits,
+                               again.draft(prompt[:, -1], 6, features).draft_logits)
