@@ -176,11 +176,11 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
     base = out.logits.view(b, num, g, -1)
     draft_logits = drafter.sequential_logits(base, hidden, blocks.prev_ids)
     lm_head = drafter.lm_head
-    with torch.no_grad():  # target logits over the full vocabulary, only at the supervised block positions
-        gathered = target_last_hidden.gather(
-            1, blocks.target_positions.view(b, -1, 1).expand(-1, -1, target_last_hidden.shape[-1])
-        )
-        target_logits = lm_head(gathered.to(lm_head.weight.dtype)).view(b, num, g, -1)
+    with torch.no_grad():  # target logits over the full vocabulary, once per distinct supervised position
+        flat = (blocks.target_positions + n * torch.arange(b, device=input_ids.device).view(b, 1, 1)).view(-1)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows = target_last_hidden.reshape(b * n, -1).index_select(0, unique)
+        target_logits = lm_head(rows.to(lm_head.weight.dtype))[inverse].view(b, num, g, -1)
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
     return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
                          draft_vocab=drafter.draft_vocab)
