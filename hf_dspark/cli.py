@@ -135,40 +135,39 @@ def cmd_bench(args) -> int:
     dtype = DTYPES[args.dtype]
     target, tokenizer = _load_target(args.target, dtype)
     methods = {"plain": {"assistant": False}}
-    drafters = {}
-    for spec in args.drafter or [None]:
+    specs = args.drafter or [None]
+    origins = {}
+    for index, spec in enumerate(specs):
         drafter, origin = load_drafter_for(target, spec, dtype=dtype)
-        label = "dspark" if len(args.drafter or [None]) == 1 else f"dspark[{spec}]"
-        drafters[label] = (drafter, origin)
-    for policy in args.policies:
-        name, _, value = policy.partition("=")
-        settings = {"assistant": True, "verification_policy": name}
-        if name == "fixed" and value:
-            settings["num_verify_tokens"] = int(value)
-        if name == "threshold":
-            settings["confidence_threshold"] = float(value or 0.5)
-        methods[policy] = settings
+        label = args.labels[index] if args.labels else ("dspark" if len(specs) == 1 else f"drafter{index}")
+        origins[label] = origin
+        for policy in args.policies:
+            name, _, value = policy.partition("=")
+            settings = {"assistant": True, "drafter": drafter, "verification_policy": name}
+            if name == "fixed" and value:
+                settings["num_verify_tokens"] = int(value)
+            if name == "threshold":
+                settings["confidence_threshold"] = float(value or 0.5)
+            methods[f"{label}:{policy}"] = settings
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
-    reports = {}
-    for label, (drafter, origin) in drafters.items():
-        reports[label] = {"drafter": origin, "report": run_rollouts(
-            target, tokenizer, drafter, args.prompts, methods, num_prompts=args.num_prompts,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-            multi_turn=not args.first_turn_only)}
+    report = run_rollouts(target, tokenizer, None, args.prompts, methods, num_prompts=args.num_prompts,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                          multi_turn=not args.first_turn_only)
+    reports = {"drafters": origins, "report": report}
     payload = {"settings": {k: v for k, v in vars(args).items() if k != "func"}, "results": reports}
     if args.output:
         from pathlib import Path
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(payload, indent=2))
-    for label, entry in reports.items():
-        print(f"== {label}: {entry['drafter']}")
-        for group, per_method in sorted(entry["report"].items()):
-            cells = [f"{name}: {r['tokens_per_s']:.1f} tok/s x{r['speedup']:.2f}"
-                     + (f" tau={r['accepted_length']:.2f}" if "accepted_length" in r else "")
-                     for name, r in per_method.items()]
-            print(f"{group:20s} " + " | ".join(cells))
+    for label, origin in origins.items():
+        print(f"{label}: {origin}")
+    for group, per_method in sorted(report.items()):
+        cells = [f"{name}: {r['tokens_per_s']:.1f} tok/s x{r['speedup']:.2f}"
+                 + (f" tau={r['accepted_length']:.2f}" if "accepted_length" in r else "")
+                 for name, r in per_method.items()]
+        print(f"{group:16s} " + " | ".join(cells))
     return 0
 
 
@@ -312,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="rollouts over prompt sets: tau, acceptance, tokens/s vs plain")
     bench.add_argument("--prompts", nargs="+", required=True)
     bench.add_argument("--drafter", nargs="*", default=None, help="drafter folder(s) (default: embedded)")
+    bench.add_argument("--labels", nargs="*", default=None, help="a short name per --drafter")
     bench.add_argument("--target", default=None)
     bench.add_argument("--policies", nargs="+", default=["fixed"],
                        help="fixed | fixed=N | threshold=T | scheduler (one method each)")

