@@ -28,6 +28,15 @@ def _load_target(name: str | None, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(name)
 
 
+def _setup_target(args, dtype_name: str | None = None):
+    """Thread count, dtype and the target (+ tokenizer) for commands that run it."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[dtype_name or args.dtype]
+    target, tokenizer = _load_target(args.target, dtype)
+    return target, tokenizer, dtype
+
+
 def cmd_generate(args) -> int:
     """DSpark-assisted greedy generation next to plain greedy generation, with tokens/s and accepted length."""
     import hf_dspark  # noqa: F401  (installs the generate() dispatch)
@@ -111,9 +120,7 @@ def cmd_features(args) -> int:
     from .training.features import cache_features
     from .training.trainer import list_shards
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, _ = _load_target(args.target, DTYPES[args.target_dtype])
+    target, _, _ = _setup_target(args, args.target_dtype)
     layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
                  else DSparkConfig.for_target(target.config).target_layer_ids)
     summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
@@ -130,10 +137,7 @@ def cmd_bench(args) -> int:
     from .defaults import load_drafter_for
     from .evaluation import run_rollouts
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    target, tokenizer = _load_target(args.target, dtype)
+    target, tokenizer, dtype = _setup_target(args)
     methods = {"plain": {"assistant": False}}
     specs = args.drafter or [None]
     origins = {}
@@ -182,10 +186,7 @@ def cmd_calibrate(args) -> int:
     from .defaults import load_drafter_for
     from .prompts import load_prompts
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    target, tokenizer = _load_target(args.target, dtype)
+    target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
     if drafter.confidence_head is None:
         raise ValueError(f"{origin} has no confidence head to calibrate")
@@ -220,9 +221,7 @@ def cmd_calibrate(args) -> int:
 def cmd_profile(args) -> int:
     from .profiling import export_sps, load_or_profile, profile_path
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, _ = _load_target(args.target, DTYPES[args.dtype])
+    target, _, _ = _setup_target(args)
     sps = load_or_profile(target, args.max_batch_tokens, time_budget_s=args.time_budget, repeats=args.repeats)
     print(json.dumps({"cache": str(profile_path(target)), **sps.to_dict()}))
     if args.export:
