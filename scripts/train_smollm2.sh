@@ -9,9 +9,9 @@ HF=.venv/bin/hf-dspark
 WORKERS=${WORKERS:-2}
 DATA=${DATA:-data/regen-smollm2}
 FEATURES=${FEATURES:-data_cache/features-smollm2}
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-800}
 COMMON=(--block-size 7 --num-layers 2 --markov-rank 128 --draft-vocab-size 8192 --batch-size 4 --num-anchors 64
-        --max-length 512 --max-steps "$STEPS" --lr 6e-4 --save-every 50 --threads 1)
+        --max-length 512 --max-steps "$STEPS" --lr 1e-3 --save-every 50 --threads 1)
 
 # 1. target regeneration of the training prompts (SmolLM2's recommended sampling: T=0.2, top-p 0.9)
 for ((w = 0; w < WORKERS; w++)); do

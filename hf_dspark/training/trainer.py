@@ -104,6 +104,19 @@ def load_sequences(shards: list[str], max_length: int) -> list[dict]:
     return sequences
 
 
+def init_output_norm_from_target(drafter: DSparkDrafter, target) -> bool:
+    """Start the drafter's final norm at the target's: its hidden states feed the target's LM head, which expects
+    the target's per-channel output scale. Returns whether it applied."""
+    base = getattr(target, "model", None)
+    norm = getattr(base, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.shape != drafter.norm.weight.shape:
+        return False
+    with torch.no_grad():
+        drafter.norm.weight.copy_(weight.detach().float())
+    return True
+
+
 def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent response tokens (plus ``always``, e.g. EOS), and the fraction of response
     tokens they cover."""
@@ -247,7 +260,9 @@ class DSparkTrainer:
             overrides["target_layer_ids"] = self.args.target_layer_ids
         torch.manual_seed(self.args.seed)
         config = DSparkConfig.for_target(self.target.config, **overrides)
-        return DSparkDrafter(config).to(torch.float32)
+        drafter = DSparkDrafter(config).to(torch.float32)
+        init_output_norm_from_target(drafter, self.target)
+        return drafter
 
     def _special_ids(self) -> list[int]:
         ids = []
