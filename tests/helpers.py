@@ -18,7 +18,7 @@ def _find_shared() -> Path:
     """The team's shared folder (fixtures, prompt data): $HF_DSPARK_SHARED, else ``shared/`` beside the repo."""
     if "HF_DSPARK_SHARED" in os.environ:
         return Path(os.environ["HF_DSPARK_SHARED"])
-    for parent in REPO.parents:
+    for parent in [*REPO.parents, Path("/work")]:
         if (parent / "shared" / "fixtures").is_dir():
             return parent / "shared"
     return REPO.parent / "shared"
