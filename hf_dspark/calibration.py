@@ -153,7 +153,6 @@ def reliability_diagram(rollouts: Rollouts, temperatures: list[float] | None, pa
     g = logits.shape[1]
     fig, axes = plt.subplots(1, g, figsize=(2.6 * g, 2.8), sharey=True)
     axes = [axes] if g == 1 else list(axes)
-    edges = torch.linspace(0, 1, num_bins + 1)
     for k, ax in enumerate(axes, 1):
         z, events = _position_data(logits, verified, accepted, k)
         ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls="--")
@@ -177,7 +176,6 @@ def reliability_diagram(rollouts: Rollouts, temperatures: list[float] | None, pa
         ax.set_xlabel("predicted a_k", fontsize=8)
     axes[0].set_ylabel("observed P(prefix accepted)", fontsize=8)
     axes[0].legend(fontsize=7)
-    del edges
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
