@@ -1,0 +1,343 @@
+"""DSpark in transformers' assisted generation: ``DSparkCandidateGenerator`` and the ``generate()`` dispatch.
+
+Two routes reach the same generator:
+
+(a) ``import hf_dspark`` installs one small dispatch on ``GenerationMixin``: when ``assistant_model`` is a DSpark
+    drafter (``config.model_type == "dspark"``), ``_get_candidate_generator`` returns a ``DSparkCandidateGenerator``
+    and ``_validate_generation_mode`` checks the request (beams, compatibility) first. Every other assistant type is
+    passed to transformers untouched.
+(b) Without hf_dspark installed, an exported drafter folder carries this file as ``custom_generate/generate.py``:
+    ``target.generate(..., assistant_model=drafter, custom_generate=folder, trust_remote_code=True)`` calls
+    ``generate`` below, which installs the same dispatch on that one model for the duration of the call.
+
+Verification itself (greedy matching or rejection sampling, EOS / max-length cropping, cache cropping, streamers,
+``return_dict_in_generate``) is transformers' own ``_assisted_decoding``; this module only proposes candidates.
+
+This file is self-contained (torch + transformers + ``scheduling``), because exported folders carry it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerationMixin
+
+try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
+    from .scheduling import VerificationPolicy, policy_from_generation_config
+except ImportError:  # pragma: no cover - loaded as a top-level module
+    from scheduling import VerificationPolicy, policy_from_generation_config  # type: ignore[no-redef]
+
+
+def is_dspark_drafter(model: Any) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == "dspark"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Statistics
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass
+class DSparkStats:
+    """Per-round statistics of one ``generate`` call (``drafter.last_stats``).
+
+    A round is one target forward after the prefill: it verifies ``verified[i]`` of ``drafted[i]`` draft tokens and
+    accepts ``accepted[i]`` of them, then emits one more token from the target (the bonus or the correction).
+    """
+
+    block_size: int
+    drafted: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    confidences: list[list[float]] = field(default_factory=list)
+    confidence_logits: list[list[float]] = field(default_factory=list)
+
+    def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None = None,
+                  confidence_logits: list[float] | None = None) -> None:
+        self.drafted.append(drafted)
+        self.verified.append(verified)
+        self.accepted.append(accepted)
+        self.confidences.append(confidences or [])
+        self.confidence_logits.append(confidence_logits or [])
+
+    @property
+    def rounds(self) -> int:
+        return len(self.verified)
+
+    @property
+    def accepted_length(self) -> float:
+        """tau: tokens emitted per round, accepted drafts plus the target's own token (the paper's definition)."""
+        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens."""
+        verified = sum(self.verified)
+        return sum(self.accepted) / verified if verified else 0.0
+
+    def position_acceptance(self) -> list[float | None]:
+        """Conditional acceptance per block position k = 1..g: P(token k accepted | tokens 1..k-1 accepted and k
+        verified). None where no round reached that position."""
+        rates: list[float | None] = []
+        for k in range(1, self.block_size + 1):
+            reached = sum(1 for v, a in zip(self.verified, self.accepted) if v >= k and a >= k - 1)
+            hit = sum(1 for v, a in zip(self.verified, self.accepted) if v >= k and a >= k)
+            rates.append(hit / reached if reached else None)
+        return rates
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "rounds": self.rounds,
+            "drafted": list(self.drafted),
+            "verified": list(self.verified),
+            "accepted": list(self.accepted),
+            "confidences": [list(c) for c in self.confidences],
+            "confidence_logits": [list(c) for c in self.confidence_logits],
+            "accepted_length": self.accepted_length,
+            "acceptance_rate": self.acceptance_rate,
+            "position_acceptance": self.position_acceptance(),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"DSparkStats(rounds={self.rounds}, accepted_length={self.accepted_length:.3f}, "
+            f"verified={sum(self.verified)}, accepted={sum(self.accepted)})"
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Candidate generator
+# ------------------------------------------------------------------------------------------------------------------
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Proposes DSpark drafts inside transformers' ``_assisted_decoding`` (batch size 1).
+
+    Each round: append the newly verified positions' target features to the drafter's context cache, draft a
+    block from the anchor (the target's last emitted token), let the verification policy pick how many drafts the
+    target verifies, and return them with the exact logits they were sampled from.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        drafter,
+        target,
+        generation_config,
+        logits_processor=None,
+        input_ids: torch.LongTensor | None = None,
+        policy: VerificationPolicy | None = None,
+    ):
+        validate_dspark_request(target, drafter, generation_config)
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark-assisted generate() runs one sequence at a time, got a batch of {input_ids.shape[0]}; "
+                "use hf_dspark's batched engine for several requests"
+            )
+        drafter.attach_target(target)
+        self.drafter = drafter
+        self.block_size = drafter.config.block_size
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor
+        self.hidden_state_indices = drafter.target_hidden_states_indices()
+        # Ask the target for just the layers the drafter reads.
+        self.model_kwargs_overrides = {"output_hidden_states": list(self.hidden_state_indices)}
+        self.policy = policy or policy_from_generation_config(
+            drafter.generation_config, self.block_size, drafter.confidence_head is not None
+        )
+        if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
+            self.policy.set_sps(_profile_target(target, self.block_size + 1))
+        self.cache = drafter.new_context_cache()
+        self.stats = DSparkStats(block_size=self.block_size)
+        drafter.last_stats = self.stats
+        self._pending_round: tuple | None = None
+
+    def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
+        """Features of the positions verified since the last round: [1, n, taps * D]."""
+        new = input_ids.shape[1] - 1 - self.cache.length
+        hidden_states = getattr(model_outputs, "hidden_states", None)
+        if hidden_states is None or any(hidden_states[i] is None for i in self.hidden_state_indices):
+            raise ValueError("the target did not return the hidden states the DSpark drafter needs")
+        available = hidden_states[self.hidden_state_indices[0]].shape[1]
+        if not 0 < new <= available:
+            raise ValueError(
+                f"cannot align drafter context: {new} new positions but the target forward covered {available}; "
+                "DSpark-assisted generate() needs the prompt run from scratch (no pre-filled cache)"
+            )
+        device = self.drafter.device
+        return torch.cat([hidden_states[i][:, :new].to(device) for i in self.hidden_state_indices], dim=-1)
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict | None = None,
+        model_outputs: Any = None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"DSpark-assisted generate() runs one sequence at a time, got {input_ids.shape[0]}")
+        if is_first_iteration:
+            return input_ids, None  # the prefill forward produces the first anchor and the context features
+        target_hidden = self._new_target_hidden(input_ids, model_outputs)
+        anchor_position = input_ids.shape[1] - 1
+        max_drafts = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        if max_drafts <= 0:
+            # Only the target's own next token fits; still keep the context complete.
+            self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+            self._pending_round = (0, 0, None, None)
+            return input_ids, None
+        draft = self.drafter.draft(
+            input_ids[:, -1],
+            anchor_position,
+            target_hidden,
+            self.cache,
+            prefix_ids=input_ids[:, :-1],
+            logits_processor=self.logits_processor,
+            do_sample=self.do_sample,
+        )
+        confidences = None if draft.confidences is None else draft.confidences[0]
+        verify = int(self.policy.num_to_verify(confidences, max_drafts))
+        if not 0 <= verify <= max_drafts:
+            raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
+        raw = None if draft.confidence_logits is None else draft.confidence_logits[0].tolist()
+        self._pending_round = (self.block_size, verify, None if confidences is None else confidences.tolist(), raw)
+        if verify == 0:
+            return input_ids, None
+        candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
+        # softmax(draft_logits) is the distribution each draft token was actually sampled from (q).
+        return candidates, draft.draft_logits[:, :verify]
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        if self._pending_round is None:
+            return  # the prefill round
+        drafted, verified, confidences, confidence_logits = self._pending_round
+        accepted = int(num_matches)
+        self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits)
+        self.policy.observe(verified, accepted)
+        self._pending_round = None
+
+
+def _profile_target(target, max_batch_tokens: int):
+    """The target's SPS(B) profile (cached; measured once, bounded time) for policies that schedule by speed."""
+    try:
+        from hf_dspark.profiling import load_or_profile
+    except ImportError as err:  # the custom_generate route without hf_dspark installed
+        raise ValueError(
+            "this verification policy needs an SPS profile: set drafter.generation_config.sps_profile = "
+            "{'sample_batch_tokens': [...], 'sample_steps_per_sec': [...]} (or install hf-dspark to profile)"
+        ) from err
+    return load_or_profile(target, max_batch_tokens)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# generate() integration
+# ------------------------------------------------------------------------------------------------------------------
+def validate_dspark_request(target, drafter, generation_config) -> None:
+    """Clear errors for requests the DSpark loop cannot serve (instead of transformers silently ignoring the
+    drafter, e.g. under beam search)."""
+    if (generation_config.num_beams or 1) > 1:
+        raise ValueError(
+            f"DSpark-assisted generation supports greedy decoding and sampling only, got num_beams="
+            f"{generation_config.num_beams}"
+        )
+    if getattr(target.config, "is_encoder_decoder", False):
+        raise ValueError("DSpark drafters serve decoder-only targets")
+    drafter.check_target(target)
+
+
+def _dspark_validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+    assistant = generation_mode_kwargs.get("assistant_model")
+    if is_dspark_drafter(assistant):
+        validate_dspark_request(self, assistant, generation_config)
+    return _original(GenerationMixin, "_validate_generation_mode")(
+        self, generation_mode, generation_config, generation_mode_kwargs
+    )
+
+
+def _dspark_get_candidate_generator(
+    self,
+    generation_config,
+    input_ids,
+    inputs_tensor,
+    logits_processor,
+    model_kwargs,
+    assistant_model=None,
+    target_tokenizer=None,
+    assistant_tokenizer=None,
+):
+    if is_dspark_drafter(assistant_model):
+        return DSparkCandidateGenerator(
+            assistant_model, self, generation_config, logits_processor=logits_processor, input_ids=input_ids
+        )
+    return _original(GenerationMixin, "_get_candidate_generator")(
+        self,
+        generation_config=generation_config,
+        input_ids=input_ids,
+        inputs_tensor=inputs_tensor,
+        logits_processor=logits_processor,
+        model_kwargs=model_kwargs,
+        assistant_model=assistant_model,
+        target_tokenizer=target_tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+    )
+
+
+_PATCHES = {
+    "_get_candidate_generator": _dspark_get_candidate_generator,
+    "_validate_generation_mode": _dspark_validate_generation_mode,
+}
+_ORIGINAL_PREFIX = "_hf_dspark_original"
+
+
+def _original(owner, name: str):
+    return getattr(owner, f"{_ORIGINAL_PREFIX}{name}", None) or getattr(GenerationMixin, name)
+
+
+def install_generate_dispatch() -> None:
+    """Route DSpark drafters in ``GenerationMixin.generate`` (idempotent). Other assistants are untouched."""
+    for name, patch in _PATCHES.items():
+        current = GenerationMixin.__dict__[name]
+        if getattr(current, "_hf_dspark_patch", False):
+            continue
+        setattr(GenerationMixin, f"{_ORIGINAL_PREFIX}{name}", current)
+        patch._hf_dspark_patch = True
+        setattr(GenerationMixin, name, patch)
+
+
+@contextlib.contextmanager
+def dspark_dispatch(model):
+    """Install the dispatch on one model instance only, for the duration of a call (the custom_generate route)."""
+    names = [n for n in _PATCHES if n not in model.__dict__]
+    for name in names:
+        setattr(model, name, types.MethodType(_PATCHES[name], model))
+    try:
+        yield model
+    finally:
+        for name in names:
+            model.__dict__.pop(name, None)
+
+
+def generate(model, *args, **kwargs):
+    """``custom_generate`` entry point: ``target.generate(..., assistant_model=drafter, custom_generate=folder,
+    trust_remote_code=True)`` lands here and runs transformers' assisted decoding with the DSpark generator."""
+    if not is_dspark_drafter(kwargs.get("assistant_model")):
+        raise ValueError("this custom_generate expects `assistant_model` to be a DSpark drafter")
+    with dspark_dispatch(model):
+        return GenerationMixin.generate(model, *args, **kwargs)
+
+
+__all__ = [
+    "DSparkCandidateGenerator",
+    "DSparkStats",
+    "dspark_dispatch",
+    "generate",
+    "install_generate_dispatch",
+    "is_dspark_drafter",
+    "validate_dspark_request",
+]

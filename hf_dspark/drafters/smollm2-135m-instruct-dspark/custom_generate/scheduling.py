@@ -1,0 +1,284 @@
+"""Verification-length policies: how many of a round's draft tokens the target verifies.
+
+A policy sees the drafter's per-position confidences ``c_k`` (the probability that draft token k is accepted given
+that tokens 1..k-1 were) and returns a length ``l`` in ``[0, max_drafts]``. To stay lossless under sampling a policy
+must be *non-anticipating*: whether token k is admitted may depend only on information available before ``x_k`` was
+sampled. ``c_k`` is computed from ``h_k`` and ``x_{k-1}`` only, so a left-to-right rule over the c's qualifies
+(fixed length, first-below-threshold cut, Algorithm 1 with its early stop); a search that looks at all positions and
+goes back (no early stop) does not.
+
+This file is self-contained (torch only): exported drafter folders carry it in ``custom_generate/``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VERIFICATION_POLICIES: dict[str, type["VerificationPolicy"]] = {}
+
+
+def register_verification_policy(name: str):
+    """Class decorator: make a policy selectable as ``drafter.generation_config.verification_policy = name``."""
+
+    def decorator(cls: type["VerificationPolicy"]) -> type["VerificationPolicy"]:
+        VERIFICATION_POLICIES[name] = cls
+        cls.name = name
+        return cls
+
+    return decorator
+
+
+class VerificationPolicy:
+    """Interface. Subclasses implement ``num_to_verify`` and may read their settings from the drafter's
+    ``generation_config`` in ``from_generation_config``."""
+
+    name = "base"
+    needs_confidences = False
+
+    @classmethod
+    def from_generation_config(cls, generation_config: Any, block_size: int) -> "VerificationPolicy":
+        return cls()
+
+    def num_to_verify(self, confidences: torch.Tensor | None, max_drafts: int) -> int:
+        """Number of leading draft tokens to verify.
+
+        Args:
+            confidences: [g] conditional acceptance confidences ``c_1..c_g`` of this round (None when the drafter
+                has no confidence head).
+            max_drafts: hard cap (block size, remaining length budget).
+        """
+        raise NotImplementedError
+
+    def observe(self, verified: int, accepted: int) -> None:
+        """Feedback after verification (for adaptive policies); the default ignores it."""
+
+
+@register_verification_policy("fixed")
+class FixedLengthPolicy(VerificationPolicy):
+    """Verify a fixed number of drafts (default: the whole block)."""
+
+    def __init__(self, num_tokens: int | None = None):
+        if num_tokens is not None and num_tokens < 0:
+            raise ValueError(f"num_verify_tokens must be >= 0, got {num_tokens}")
+        self.num_tokens = num_tokens
+
+    @classmethod
+    def from_generation_config(cls, generation_config, block_size):
+        return cls(getattr(generation_config, "num_verify_tokens", None))
+
+    def num_to_verify(self, confidences, max_drafts):
+        return max_drafts if self.num_tokens is None else min(self.num_tokens, max_drafts)
+
+
+@register_verification_policy("threshold")
+class ConfidenceThresholdPolicy(VerificationPolicy):
+    """Static confidence threshold: verify drafts up to (not including) the first position with ``c_k < t``."""
+
+    needs_confidences = True
+
+    def __init__(self, threshold: float = 0.5):
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    @classmethod
+    def from_generation_config(cls, generation_config, block_size):
+        threshold = getattr(generation_config, "confidence_threshold", None)
+        return cls(0.5 if threshold is None else float(threshold))
+
+    def num_to_verify(self, confidences, max_drafts):
+        return threshold_length(confidences[:max_drafts], self.threshold)
+
+
+def threshold_length(confidences: torch.Tensor, threshold: float) -> int:
+    """Leading positions before the first ``c_k < threshold`` ([g] -> int)."""
+    below = (confidences < threshold).nonzero()
+    return int(below[0, 0]) if below.numel() else int(confidences.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Hardware-aware prefix scheduling (DSpark Algorithm 1) and its production variant (dynamic top-K)
+# ------------------------------------------------------------------------------------------------------------------
+class StepsPerSecond:
+    """A profiled SPS(B) curve: target forward steps per second with B tokens in the verification batch.
+
+    Built from samples ``(B_i, sps_i)``; values between samples are linearly interpolated and B beyond
+    ``max_batch_tokens`` is not allowed (the scheduler never admits past it).
+    """
+
+    def __init__(self, batch_tokens: list[int], steps_per_sec: list[float], max_batch_tokens: int | None = None):
+        if len(batch_tokens) != len(steps_per_sec) or not batch_tokens:
+            raise ValueError("SPS profile needs equally long, non-empty sample_batch_tokens and sample_steps_per_sec")
+        order = sorted(range(len(batch_tokens)), key=lambda i: batch_tokens[i])
+        self.batch_tokens = [int(batch_tokens[i]) for i in order]
+        self.steps_per_sec = [float(steps_per_sec[i]) for i in order]
+        if self.batch_tokens[0] < 1 or min(self.steps_per_sec) <= 0:
+            raise ValueError("SPS samples need B >= 1 and positive steps per second")
+        self.max_batch_tokens = int(max_batch_tokens or self.batch_tokens[-1])
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepsPerSecond":
+        try:
+            return cls(data["sample_batch_tokens"], data["sample_steps_per_sec"], data.get("max_batch_tokens"))
+        except KeyError as err:
+            raise ValueError(f"SPS profile lacks {err.args[0]!r}") from None
+
+    def to_dict(self) -> dict:
+        return {"sample_batch_tokens": list(self.batch_tokens), "sample_steps_per_sec": list(self.steps_per_sec),
+                "max_batch_tokens": self.max_batch_tokens}
+
+    def table(self, device=None) -> torch.Tensor:
+        """SPS for B = 0..max_batch_tokens as a dense tensor (index 0 unused: 0)."""
+        b = torch.arange(self.max_batch_tokens + 1, dtype=torch.float64)
+        xs = torch.tensor(self.batch_tokens, dtype=torch.float64)
+        ys = torch.tensor(self.steps_per_sec, dtype=torch.float64)
+        idx = torch.searchsorted(xs, b).clamp(1, len(xs) - 1) if len(xs) > 1 else torch.zeros_like(b, dtype=torch.long)
+        if len(xs) == 1:
+            values = ys[0].expand_as(b).clone()
+        else:
+            x0, x1, y0, y1 = xs[idx - 1], xs[idx], ys[idx - 1], ys[idx]
+            values = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+            values = torch.where(b <= xs[0], ys[0], torch.where(b >= xs[-1], ys[-1], values))
+        values[0] = 0.0
+        return values.to(device=device, dtype=torch.float32)
+
+    def __call__(self, batch_tokens: int) -> float:
+        return float(self.table()[batch_tokens])
+
+
+def _sorted_entries(confidences: torch.Tensor):
+    """Prefix survival a = cumprod(c) [R, g] and all (r, j) sorted by a descending, ties toward smaller j
+    (then smaller r). Returns (survival, sorted values [R*g], request index, position index (1-based))."""
+    survival = torch.cumprod(confidences.float().clamp(0, 1), dim=-1)
+    num_requests, g = survival.shape
+    positions = torch.arange(1, g + 1, device=survival.device).expand(num_requests, g).reshape(-1)
+    requests = torch.arange(num_requests, device=survival.device).repeat_interleave(g)
+    values = survival.reshape(-1)
+    # Stable sorts: by request, then position, then value descending -> ties resolved toward smaller j, then r.
+    order = torch.argsort(requests, stable=True)
+    order = order[torch.argsort(positions[order], stable=True)]
+    order = order[torch.argsort(values[order], descending=True, stable=True)]
+    return survival, values[order], requests[order], positions[order]
+
+
+def prefix_schedule(confidences: torch.Tensor, sps_table: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 (lossless): verification lengths for R requests.
+
+    Args:
+        confidences: [R, g] conditional confidences c_{r,k}.
+        sps_table: [Bmax + 1] SPS(B) (``StepsPerSecond.table()``).
+    Returns:
+        [R] long: number of draft tokens to verify per request (plus its anchor).
+
+    Entries are admitted in global order of prefix survival while the expected throughput
+    ``(R + sum admitted a) * SPS(R + admitted)`` strictly improves; the first non-improvement stops the search
+    (the early stop that keeps the output distribution exact). Zero-survival entries are never admitted.
+    """
+    num_requests = confidences.shape[0]
+    _, values, requests, positions = _sorted_entries(confidences)
+    max_b = sps_table.shape[0] - 1
+    if num_requests > max_b:
+        raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_b}")
+    count = min(values.shape[0], max_b - num_requests)
+    values, requests, positions = values[:count], requests[:count], positions[:count]
+    table = sps_table.to(device=values.device, dtype=torch.float32)
+    # float32 throughout, with theta_prev = (tau - a) * SPS(B - 1): the same arithmetic as the Triton twin.
+    tau = num_requests + torch.cumsum(values, dim=0)
+    batch = torch.arange(num_requests + 1, num_requests + 1 + count, device=values.device)
+    theta = tau * table[batch]
+    previous = (tau - values) * table[batch - 1]
+    improving = (theta > previous) & (values > 0)
+    admitted = int(torch.cumprod(improving.long(), dim=0).sum()) if count else 0
+    lengths = torch.zeros(num_requests, dtype=torch.long, device=confidences.device)
+    if admitted:
+        lengths.scatter_reduce_(0, requests[:admitted].to(lengths.device), positions[:admitted].to(lengths.device),
+                                reduce="amax")
+    return lengths
+
+
+def dynamic_topk_capacity(stale_confidences: torch.Tensor, sps_table: torch.Tensor) -> int:
+    """Capacity K for the dynamic top-K variant, from confidences two steps old: the K maximising
+    ``(R + top-K survival sum) * SPS(R + K)`` over all K (a full search is fine: the stale confidences
+    cannot depend on the tokens being verified now)."""
+    num_requests = stale_confidences.shape[0]
+    _, values, _, _ = _sorted_entries(stale_confidences)
+    max_b = sps_table.shape[0] - 1
+    count = max(0, min(values.shape[0], max_b - num_requests))
+    tau = num_requests + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(values[:count].double(), 0)])
+    theta = tau * sps_table.double()[num_requests : num_requests + count + 1]
+    return int(torch.argmax(theta))  # first maximum: ties toward the smaller batch
+
+
+def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Admit the ``capacity`` entries of highest CURRENT prefix survival (no early stop); zero-survival entries
+    are never admitted. Returns [R] verification lengths."""
+    num_requests = confidences.shape[0]
+    _, values, requests, positions = _sorted_entries(confidences)
+    keep = min(int(capacity), int((values > 0).sum()))
+    lengths = torch.zeros(num_requests, dtype=torch.long, device=confidences.device)
+    if keep:
+        lengths.scatter_reduce_(0, requests[:keep], positions[:keep], reduce="amax")
+    return lengths
+
+
+@register_verification_policy("scheduler")
+class PrefixSchedulerPolicy(VerificationPolicy):
+    """Algorithm 1 at R = 1: verify the prefix length l maximising ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` found by
+    greedy admission with early stop. Needs an SPS profile (``generation_config.sps_profile``, or profiled
+    automatically for the target when hf_dspark is installed)."""
+
+    needs_confidences = True
+    needs_sps = True
+
+    def __init__(self, sps: StepsPerSecond | None = None):
+        self.sps = sps
+        self._table = None if sps is None else sps.table()
+
+    @classmethod
+    def from_generation_config(cls, generation_config, block_size):
+        profile = getattr(generation_config, "sps_profile", None)
+        return cls(StepsPerSecond.from_dict(profile) if profile else None)
+
+    def set_sps(self, sps: StepsPerSecond) -> None:
+        self.sps, self._table = sps, sps.table()
+
+    def num_to_verify(self, confidences, max_drafts):
+        if self._table is None:
+            raise ValueError("the scheduler policy needs an SPS profile (generation_config.sps_profile)")
+        table = self._table[: min(self._table.shape[0], 1 + max_drafts + 1)]
+        return int(prefix_schedule(confidences[:max_drafts].view(1, -1), table)[0])
+
+
+def policy_from_generation_config(generation_config: Any, block_size: int, has_confidence_head: bool) -> VerificationPolicy:
+    """Build the policy named by ``generation_config.verification_policy`` (default ``"fixed"``)."""
+    name = getattr(generation_config, "verification_policy", None) or "fixed"
+    if isinstance(name, VerificationPolicy):
+        policy = name
+    elif name in VERIFICATION_POLICIES:
+        policy = VERIFICATION_POLICIES[name].from_generation_config(generation_config, block_size)
+    else:
+        raise ValueError(f"unknown verification_policy {name!r}; registered: {sorted(VERIFICATION_POLICIES)}")
+    if policy.needs_confidences and not has_confidence_head:
+        raise ValueError(
+            f"verification_policy {policy.name!r} needs confidences but this drafter has no confidence head "
+            "(enable_confidence_head=False); use verification_policy='fixed'"
+        )
+    return policy
+
+
+__all__ = [
+    "ConfidenceThresholdPolicy",
+    "PrefixSchedulerPolicy",
+    "StepsPerSecond",
+    "dynamic_topk_capacity",
+    "prefix_schedule",
+    "topk_schedule",
+    "FixedLengthPolicy",
+    "VERIFICATION_POLICIES",
+    "VerificationPolicy",
+    "policy_from_generation_config",
+    "register_verification_policy",
+    "threshold_length",
+]
