@@ -1,0 +1,491 @@
+"""``hf-dspark eval``: the paper's analyses over prompt sets, resumable per (temperature, prompt set), shardable.
+
+Two phases per unit of work (one temperature x one prompt set):
+
+- *quality*: the DSpark drafter and the DFlash ablation (if given) verify their WHOLE block every round on the
+  first ``num_prompts`` prompts, so every position's acceptance is observed. Accepted length, position-wise
+  acceptance, the static-threshold sweep and calibration all come from these rounds.
+- *speed*: on the first ``speed_prompts`` prompts, plain ``generate()`` and every accelerated method run
+  interleaved prompt by prompt; speed is reported as tokens/s ratios to plain in the same run.
+
+Each finished unit is written to ``<output>/units/<unit>.json`` (a rerun skips it). Units are dealt round-robin to
+``num_shards`` processes (``accelerate launch`` sets them); once every unit exists, ``report.json``, ``report.md``
+and the PNG plots are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..prompts import DOMAINS, load_prompts
+from . import metrics
+from .rollouts import MethodResult, rollout_record, summarise
+
+SCHEMA = "hf-dspark-eval-v1"
+DEFAULT_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+TRANSFORMERS_DFLASH_REASON = (
+    "transformers' built-in DFlash path (generation_config.speculation_type='dflash') needs a drafter class with "
+    "its noise_embeds/context_hidden_states forward and DFlashCache; no such checkpoint exists for this target")
+
+
+@dataclass
+class EvalSettings:
+    data: list[str]
+    num_prompts: int = 50
+    max_new_tokens: int = 256
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    speed_prompts: int = 10
+    speed_temperatures: list[float] | None = None  # default: the same as ``temperatures``
+    speed_threshold: float = 0.5
+    thresholds: list[float] = field(default_factory=lambda: list(DEFAULT_THRESHOLDS))
+    prompt_lookup: int = 7
+    scheduler: bool = True
+    multi_turn: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.max_new_tokens < 1 or self.speed_prompts < 0:
+            raise ValueError("num_prompts and max_new_tokens must be >= 1, speed_prompts >= 0")
+        if self.speed_prompts > self.num_prompts:
+            raise ValueError(f"speed_prompts ({self.speed_prompts}) cannot exceed num_prompts ({self.num_prompts})")
+        for t in self.temperatures + (self.speed_temperatures or []):
+            if t < 0:
+                raise ValueError(f"temperatures must be >= 0, got {t}")
+        if not 0.0 <= self.speed_threshold <= 1.0 or not all(0.0 <= t <= 1.0 for t in self.thresholds):
+            raise ValueError("confidence thresholds must lie in [0, 1]")
+
+
+PHASES = ("quality", "speed")
+
+
+def unit_name(phase: str, temperature: float, prompt_set: str) -> str:
+    return f"{phase}-t{temperature:g}-{prompt_set}"
+
+
+def _units(settings: EvalSettings, sets: list[str], phases=PHASES) -> list[tuple[str, float, str]]:
+    speed_temps = settings.speed_temperatures if settings.speed_temperatures is not None else settings.temperatures
+    temps = {"quality": settings.temperatures, "speed": speed_temps if settings.speed_prompts else []}
+    return [(phase, t, s) for phase in phases for t in temps[phase] for s in sets]
+
+
+def _quality_methods(drafter, ablation) -> dict[str, dict]:
+    full_block = {"assistant": True, "verification_policy": "fixed", "num_verify_tokens": None}
+    methods = {"dspark": {**full_block, "drafter": drafter}}
+    if ablation is not None:
+        methods["dflash"] = {**full_block, "drafter": ablation}
+    return methods
+
+
+def _speed_methods(drafter, ablation, settings: EvalSettings) -> dict[str, dict]:
+    methods = {"plain": {"assistant": False},
+               "dspark:fixed": {"assistant": True, "drafter": drafter, "verification_policy": "fixed",
+                                "num_verify_tokens": None}}
+    if drafter.confidence_head is not None:
+        methods["dspark:threshold"] = {"assistant": True, "drafter": drafter, "verification_policy": "threshold",
+                                       "confidence_threshold": settings.speed_threshold}
+        if settings.scheduler:
+            methods["dspark:scheduler"] = {"assistant": True, "drafter": drafter, "verification_policy": "scheduler"}
+    if ablation is not None:
+        methods["dflash:fixed"] = {"assistant": True, "drafter": ablation, "verification_policy": "fixed",
+                                   "num_verify_tokens": None}
+    if settings.prompt_lookup:
+        methods["prompt_lookup"] = {"prompt_lookup": settings.prompt_lookup}
+    return methods
+
+
+def run_unit(target, tokenizer, drafter, ablation, records: list[dict], phase: str, temperature: float,
+             settings: EvalSettings, progress: bool = True, desc: str = "") -> dict:
+    """One phase on one prompt set at one temperature; results per method and domain (raw rounds kept)."""
+    from tqdm.auto import tqdm
+
+    if phase == "quality":
+        methods, chosen = _quality_methods(drafter, ablation), records[: settings.num_prompts]
+    else:
+        methods, chosen = _speed_methods(drafter, ablation, settings), records[: settings.speed_prompts]
+    results: dict[str, dict[str, MethodResult]] = {}
+    for index, record in enumerate(tqdm(chosen, desc=desc or phase, unit="prompt", disable=not progress)):
+        per_method = rollout_record(target, tokenizer, record, methods, drafter, settings.max_new_tokens,
+                                    temperature, settings.seed * 1_000_003 + index, settings.multi_turn)
+        for name, result in per_method.items():
+            results.setdefault(name, {}).setdefault(record["domain"], MethodResult()).merge(result)
+    return {"phase": phase, "temperature": temperature, "set": records[0]["set"], "prompts": len(chosen),
+            "results": {m: {d: r.to_dict() for d, r in per.items()} for m, per in results.items()}}
+
+
+def run_eval(target, tokenizer, drafter, output_dir: str | Path, settings: EvalSettings, ablation=None,
+             num_shards: int | None = None, shard_index: int | None = None, progress: bool = True,
+             description: dict | None = None, benchmarks_path: str | Path | None = None,
+             phases=PHASES) -> dict:
+    """Run this shard's units of ``phases`` (skipping finished ones), then write the report from every unit present
+    (``report["missing"]`` lists the units still to run, by any shard or a later ``phases`` choice)."""
+    if num_shards is None or shard_index is None:
+        from accelerate import PartialState
+
+        state = PartialState()
+        num_shards, shard_index = state.num_processes, state.process_index
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    output = Path(output_dir)
+    (output / "units").mkdir(parents=True, exist_ok=True)
+    records = load_prompts(settings.data)
+    by_set: dict[str, list[dict]] = {}
+    for r in records:
+        by_set.setdefault(r["set"], []).append(r)
+    settings_path = output / "settings.json"
+    pinned = {"settings": asdict(settings), "sets": sorted(by_set)}
+    if settings_path.is_file():
+        previous = json.loads(settings_path.read_text())
+        if previous["settings"] != pinned["settings"] or previous["sets"] != pinned["sets"]:
+            raise ValueError(f"{output} holds an evaluation with other settings; use a new --output folder")
+    elif shard_index == 0:
+        settings_path.write_text(json.dumps(pinned, indent=2))
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    if ("speed" in phases and settings.scheduler and drafter.confidence_head is not None
+            and getattr(drafter.generation_config, "sps_profile", None) is None):
+        from ..profiling import load_or_profile
+
+        load_or_profile(target, drafter.config.block_size + 1)  # profile before the clock runs, not inside a rollout
+    todo = _units(settings, sorted(by_set), phases)
+    for i, (phase, temperature, prompt_set) in enumerate(todo):
+        name = unit_name(phase, temperature, prompt_set)
+        path = output / "units" / f"{name}.json"
+        if i % num_shards != shard_index or path.is_file():
+            continue
+        result = run_unit(target, tokenizer, drafter, ablation, by_set[prompt_set], phase, temperature, settings,
+                          progress, desc=f"{name} [{i + 1}/{len(todo)}]")
+        tmp = path.with_suffix(f".{shard_index}.tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)  # a unit is either complete or absent
+    missing = [unit_name(*u) for u in _units(settings, sorted(by_set))
+               if not (output / "units" / f"{unit_name(*u)}.json").is_file()]
+    report = build_report(output, settings, drafter, ablation, description or {})
+    report["missing"] = missing
+    write_report(report, output, benchmarks_path)
+    return report
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Aggregation
+# ----------------------------------------------------------------------------------------------------------------
+def _merge(results) -> MethodResult:
+    total = MethodResult()
+    for r in results:
+        total.merge(r)
+    return total
+
+
+def _load_units(output: Path) -> list[dict]:
+    units = []
+    for path in sorted((output / "units").glob("*.json")):
+        unit = json.loads(path.read_text())
+        unit["results"] = {m: {d: MethodResult.from_dict(r) for d, r in per.items()}
+                           for m, per in unit["results"].items()}
+        units.append(unit)
+    return units
+
+
+def _group(units: list[dict], phase: str) -> dict[str, dict[str, dict[str, MethodResult]]]:
+    """{"sets": {set: {method: MR}}, "domains": {domain: {method: MR}}, "all": {method: MR}}."""
+    sets, domains, overall = {}, {}, {}
+    for unit in (u for u in units if u["phase"] == phase):
+        for method, per_domain in unit["results"].items():
+            for domain, result in per_domain.items():
+                for bucket in (sets.setdefault(unit["set"], {}), domains.setdefault(domain, {}), overall):
+                    bucket.setdefault(method, MethodResult()).merge(result)
+    return {"sets": sets, "domains": domains, "all": overall}
+
+
+def _macro(per_set: dict[str, dict], method: str, key: str) -> float | None:
+    values = [s[method][key] for s in per_set.values() if method in s and s[method].get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def build_report(output: Path, settings: EvalSettings, drafter, ablation, description: dict) -> dict:
+    units = _load_units(output)
+    temperatures = sorted({u["temperature"] for u in units})
+    temps = {str(t): {} for t in temperatures}
+    calibrated = getattr(drafter.config, "confidence_temperatures", None)
+    for t in temperatures:
+        entry = temps[str(t)]
+        at_t = [u for u in units if u["temperature"] == t]
+        quality = _group(at_t, "quality")
+        if quality["all"]:
+            acceptance = {
+                "sets": {s: summarise(m) for s, m in sorted(quality["sets"].items())},
+                "domains": {d: summarise(m) for d, m in sorted(quality["domains"].items(), key=lambda x: DOMAINS.index(x[0]))},
+                "all": summarise(quality["all"]),
+            }
+            methods = list(quality["all"])
+            acceptance["macro"] = {m: {"accepted_length": _macro(acceptance["sets"], m, "accepted_length"),
+                                       "acceptance_rate": _macro(acceptance["sets"], m, "acceptance_rate")}
+                                   for m in methods}
+            if "dflash" in methods:
+                ratio = {s: v["dspark"]["accepted_length"] / v["dflash"]["accepted_length"]
+                         for s, v in acceptance["sets"].items() if "dflash" in v and "dspark" in v}
+                acceptance["tau_ratio_dspark_over_dflash"] = {
+                    "sets": ratio, "macro": acceptance["macro"]["dspark"]["accepted_length"]
+                    / acceptance["macro"]["dflash"]["accepted_length"]}
+            entry["acceptance"] = acceptance
+            dspark_rounds = {"all": quality["all"]["dspark"],
+                             **{f"domain/{d}": m["dspark"] for d, m in quality["domains"].items()}}
+            if any(r.confidence_logits and r.confidence_logits[0] for r in dspark_rounds.values()):
+                entry["threshold_sweep"] = {
+                    group: {"raw": metrics.threshold_sweep(r.confidence_logits, r.verified, r.accepted,
+                                                           settings.thresholds),
+                            **({"calibrated": metrics.threshold_sweep(r.confidence_logits, r.verified, r.accepted,
+                                                                      settings.thresholds, calibrated)}
+                               if calibrated else {})}
+                    for group, r in dspark_rounds.items()}
+                r = quality["all"]["dspark"]
+                entry["calibration"] = metrics.calibration_metrics(r.confidence_logits, r.verified, r.accepted,
+                                                                   calibrated)
+                entry["calibration"]["temperatures"] = calibrated
+        speed = _group(at_t, "speed")
+        if speed["all"]:
+            entry["speed"] = {
+                "sets": {s: summarise(m, "plain") for s, m in sorted(speed["sets"].items())},
+                "domains": {d: summarise(m, "plain") for d, m in sorted(speed["domains"].items())},
+                "all": summarise(speed["all"], "plain"),
+                "not_run": {"transformers_dflash": TRANSFORMERS_DFLASH_REASON},
+            }
+    return {
+        "schema": SCHEMA,
+        "settings": asdict(settings),
+        "models": {"block_size": drafter.config.block_size, "calibrated": bool(calibrated),
+                   "sequential_head": drafter.config.sequential_head,
+                   "ablation_sequential_head": None if ablation is None else ablation.config.sequential_head,
+                   **description},
+        "environment": environment(),
+        "temperatures": temps,
+    }
+
+
+def environment() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "hf_dspark": __version__, "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": " ".join(shlex.quote(a) for a in ["hf-dspark", *sys.argv[1:]]) if sys.argv else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing: JSON, Markdown, plots
+# ----------------------------------------------------------------------------------------------------------------
+def write_report(report: dict, output: Path, markdown_path: Path | None = None) -> dict[str, Path]:
+    output = Path(output)
+    (output / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    plots = write_plots(report, output)
+    files = {"json": output / "report.json", **plots}
+    md = output / "report.md"
+    md.write_text(render_markdown(report, plots, md.parent), encoding="utf-8")
+    files["markdown"] = md
+    if markdown_path is not None:
+        markdown_path = Path(markdown_path)
+        markdown_path.write_text(render_markdown(report, plots, markdown_path.parent), encoding="utf-8")
+        files["benchmarks"] = markdown_path
+    return files
+
+
+def _fmt(x, digits=2, suffix=""):
+    return "-" if x is None else f"{x:.{digits}f}{suffix}"
+
+
+def render_markdown(report: dict, plots: dict[str, Path], base: Path) -> str:
+    env, models, s = report["environment"], report["models"], report["settings"]
+    rel = lambda p: os.path.relpath(p, base)  # noqa: E731
+    lines = [
+        "<!-- generated by `hf-dspark eval`; do not edit by hand -->",
+        "# DSpark evaluation report", "",
+        f"- Target: {models.get('target', '?')}; DSpark drafter: {models.get('drafter', '?')}"
+        + (f"; DFlash ablation: {models['ablation']}" if models.get("ablation") else ""),
+        f"- Block size g = {models['block_size']}, sequential head `{models['sequential_head']}`, "
+        f"calibrated (STS): {models['calibrated']}; dtype {models.get('dtype', '?')}",
+        f"- Prompts: {', '.join(s['data'])}; {s['num_prompts']} per set for acceptance, {s['speed_prompts']} per set "
+        f"for speed; up to {s['max_new_tokens']} new tokens; multi-turn: {s['multi_turn']}",
+        f"- Machine: {env['cpu']} ({env['cpu_count']} cores, {env['torch_threads']} torch threads), "
+        f"{env['platform']}; CUDA: {env['cuda']}",
+        f"- Versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"hf-dspark {env['hf_dspark']}; run {env['date']}",
+        f"- Command: `{env['command']}`", "",
+        "Definitions (as the paper): accepted length tau = tokens emitted per target forward, bonus token included, "
+        "with the whole block verified every round; position-wise acceptance = P(draft k accepted | drafts 1..k-1 "
+        "accepted); speed = tokens/s ratio to plain `generate()` on the same prompts in the same run.", "",
+    ]
+    if report.get("missing"):
+        lines += [f"**Incomplete**: {len(report['missing'])} units not run yet: {', '.join(report['missing'])}. "
+                  "Re-run the command to finish them.", ""]
+    for t, entry in report["temperatures"].items():
+        lines += [f"## Temperature {t}", ""]
+        acc = entry.get("acceptance")
+        if acc:
+            methods = list(acc["all"])
+            lines += ["### Accepted length tau", "", "| group | " + " | ".join(methods)
+                      + (" | DSpark / DFlash |" if "tau_ratio_dspark_over_dflash" in acc else " |"),
+                      "|---|" + "---|" * (len(methods) + ("tau_ratio_dspark_over_dflash" in acc))]
+            ratio = acc.get("tau_ratio_dspark_over_dflash", {})
+            rows = [(f"set: {k}", v, ratio.get("sets", {}).get(k)) for k, v in acc["sets"].items()]
+            rows += [(f"domain: {k}", v, None) for k, v in acc["domains"].items()]
+            for name, per, r in rows:
+                cells = [_fmt(per.get(m, {}).get("accepted_length")) for m in methods]
+                lines.append(f"| {name} | " + " | ".join(cells) + ((f" | {_fmt(r)}x |" if r else " | - |") if ratio else " |"))
+            cells = [_fmt(acc["macro"][m]["accepted_length"]) for m in methods]
+            lines.append("| **macro over sets** | " + " | ".join(cells)
+                         + (f" | **{_fmt(ratio.get('macro'))}x** |" if ratio else " |"))
+            lines += ["", "### Position-wise conditional acceptance", "",
+                      "| method | group | " + " | ".join(f"k={k}" for k in range(1, models["block_size"] + 1)) + " |",
+                      "|---|---|" + "---|" * models["block_size"]]
+            for group, per in [("all", acc["all"]), *((f"domain: {d}", v) for d, v in acc["domains"].items())]:
+                for m in methods:
+                    pa = per.get(m, {}).get("position_acceptance") or []
+                    lines.append(f"| {m} | {group} | " + " | ".join(_fmt(x) for x in pa) + " |")
+            if f"position_acceptance_t{t}" in plots:
+                lines += ["", f"![position-wise acceptance]({rel(plots[f'position_acceptance_t{t}'])})"]
+            lines.append("")
+        sweep = entry.get("threshold_sweep")
+        if sweep:
+            kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
+            lines += [f"### Static confidence-threshold sweep ({kind} confidences, whole-block rounds replayed)", "",
+                      "| group | threshold | verified / round | accepted / round | acceptance rate | tau |",
+                      "|---|---|---|---|---|---|"]
+            for group, rows in sweep.items():
+                for row in rows[kind]:
+                    lines.append(f"| {group} | {row['threshold']:g} | {_fmt(row['verified_per_round'])} | "
+                                 f"{_fmt(row['accepted_per_round'])} | {_fmt(row['acceptance_rate'], 3)} | "
+                                 f"{_fmt(row['accepted_length'])} |")
+            if f"threshold_sweep_t{t}" in plots:
+                lines += ["", f"![threshold sweep]({rel(plots[f'threshold_sweep_t{t}'])})"]
+            lines.append("")
+        cal = entry.get("calibration")
+        if cal:
+            lines += ["### Calibration of the prefix survival a_k", "",
+                      "| k | samples | ECE raw | ECE after STS | ROC-AUC |", "|---|---|---|---|---|"]
+            for k, (n, e0, e1, auc) in enumerate(zip(cal["num_samples"], cal["ece_raw"], cal["ece_calibrated"],
+                                                     cal["auc"]), 1):
+                lines.append(f"| {k} | {n} | {_fmt(e0, 4)} | {_fmt(e1, 4)} | {_fmt(auc, 3)} |")
+            if f"reliability_t{t}" in plots:
+                lines += ["", f"![reliability]({rel(plots[f'reliability_t{t}'])})"]
+            lines.append("")
+        speed = entry.get("speed")
+        if speed:
+            methods = list(speed["all"])
+            lines += ["### Speed (tokens/s, ratio to plain generate() in the same run)", "",
+                      "| group | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+            for name, per in [*((f"set: {k}", v) for k, v in speed["sets"].items()),
+                              *((f"domain: {k}", v) for k, v in speed["domains"].items()), ("all", speed["all"])]:
+                cells = []
+                for m in methods:
+                    r = per.get(m)
+                    cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} ({_fmt(r['speedup'])}x"
+                                 + (f", tau {r['accepted_length']:.2f})" if r.get("accepted_length") else ")"))
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            for method, reason in speed.get("not_run", {}).items():
+                lines.append(f"\nNot run: {method}: {reason}.")
+            if f"speed_t{t}" in plots:
+                lines += ["", f"![speed]({rel(plots[f'speed_t{t}'])})"]
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(report: dict, output: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..calibration import reliability_diagram
+
+    plots: dict[str, Path] = {}
+    g = report["models"]["block_size"]
+    for t, entry in report["temperatures"].items():
+        acc = entry.get("acceptance")
+        if acc:
+            groups = list(acc["domains"].items()) or [("all", acc["all"])]
+            fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3), sharey=True, squeeze=False)
+            for ax, (domain, per) in zip(axes[0], groups):
+                for method, r in per.items():
+                    ys = [y for y in r.get("position_acceptance") or []]
+                    ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o",
+                            label=method)
+                ax.set_title(f"{domain} (T={t})")
+                ax.set_xlabel("draft position k")
+                ax.set_xticks(range(1, g + 1))
+                ax.set_ylim(0, 1)
+            axes[0][0].set_ylabel("P(accept k | 1..k-1 accepted)")
+            axes[0][0].legend()
+            fig.tight_layout()
+            plots[f"position_acceptance_t{t}"] = _save(fig, output / f"position_acceptance_t{t}.png")
+        sweep = entry.get("threshold_sweep")
+        if sweep:
+            kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
+            fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+            for group, rows in sweep.items():
+                xs = [r["threshold"] for r in rows[kind]]
+                ax1.plot(xs, [r["verified_per_round"] for r in rows[kind]], marker=".", label=f"{group} verified")
+                ax1.plot(xs, [r["accepted_per_round"] for r in rows[kind]], ls="--", label=f"{group} accepted")
+                ax2.plot(xs, [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"]
+                              for r in rows[kind]], marker=".", label=group)
+            ax1.set_xlabel("confidence threshold")
+            ax1.set_ylabel("tokens per round")
+            ax2.set_xlabel("confidence threshold")
+            ax2.set_ylabel("acceptance rate")
+            ax2.set_ylim(0, 1)
+            ax1.legend(fontsize=6)
+            ax2.legend(fontsize=6)
+            fig.suptitle(f"static threshold sweep (T={t}, {kind} confidences)")
+            fig.tight_layout()
+            plots[f"threshold_sweep_t{t}"] = _save(fig, output / f"threshold_sweep_t{t}.png")
+        if entry.get("calibration"):
+            units = _load_units(output)
+            r = _merge(result for u in units if u["phase"] == "quality" and str(u["temperature"]) == t
+                       for result in u["results"].get("dspark", {}).values())
+            plots[f"reliability_t{t}"] = reliability_diagram(
+                metrics.rounds_with_confidences(r.confidence_logits, r.verified, r.accepted), entry["calibration"]["temperatures"],
+                output / f"reliability_t{t}.png")
+        speed = entry.get("speed")
+        if speed:
+            groups = list(speed["domains"].items()) + [("all", speed["all"])]
+            methods = [m for m in speed["all"] if m != "plain"]
+            fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(groups) * max(1, len(methods)) / 3, 3))
+            width = 0.8 / max(1, len(methods))
+            for i, m in enumerate(methods):
+                ax.bar([j + i * width for j in range(len(groups))],
+                       [per.get(m, {}).get("speedup") or 0.0 for _, per in groups], width, label=m)
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [name for name, _ in groups])
+            ax.set_ylabel("speedup vs plain generate()")
+            ax.set_title(f"speed (T={t})")
+            ax.legend(fontsize=6)
+            fig.tight_layout()
+            plots[f"speed_t{t}"] = _save(fig, output / f"speed_t{t}.png")
+    return plots
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

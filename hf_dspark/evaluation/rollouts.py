@@ -1,0 +1,177 @@
+"""Speculative-decoding rollouts over prompt sets: accepted length, position-wise acceptance, speed vs plain.
+
+Definitions follow the paper: tau (accepted length) counts accepted drafts plus the target's own token per round;
+position-wise conditional acceptance is P(draft k accepted | drafts 1..k-1 accepted, k verified). Speed is
+measured as a ratio against plain ``generate()`` in the same run, prompt by prompt, methods interleaved so a
+noisy machine affects every method alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..generation import DSparkStats
+from ..prompts import load_prompts
+from . import metrics
+
+
+@dataclass
+class MethodResult:
+    """Totals of one method over some prompts, and its raw rounds (so shards merge exactly and every metric is
+    recomputed from the same records)."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    block_size: int = 0
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    confidence_logits: list[list[float]] = field(default_factory=list)
+
+    def add(self, tokens: int, seconds: float, stats: DSparkStats | None) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        if stats is None:
+            return
+        self.block_size = max(self.block_size, stats.block_size)
+        self.verified.extend(stats.verified)
+        self.accepted.extend(stats.accepted)
+        self.confidence_logits.extend(stats.confidence_logits)
+
+    def merge(self, other: "MethodResult") -> "MethodResult":
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.block_size = max(self.block_size, other.block_size)
+        self.verified += other.verified
+        self.accepted += other.accepted
+        self.confidence_logits += other.confidence_logits
+        return self
+
+    @property
+    def rounds(self) -> int:
+        return len(self.verified)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MethodResult":
+        return cls(**data)
+
+    def summary(self) -> dict:
+        out = {"tokens": self.tokens, "seconds": round(self.seconds, 3),
+               "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0}
+        if self.rounds:
+            positions = metrics.position_acceptance(self.verified, self.accepted, self.block_size)
+            out.update(
+                accepted_length=metrics.accepted_length(self.verified, self.accepted),
+                acceptance_rate=metrics.acceptance_rate(self.verified, self.accepted),
+                rounds=self.rounds,
+                verified_per_round=sum(self.verified) / self.rounds,
+                position_acceptance=positions["acceptance"],
+                position_reached=positions["reached"],
+            )
+        return out
+
+
+def chat_inputs(tokenizer, messages):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+GENERATION_SETTINGS = ("verification_policy", "num_verify_tokens", "confidence_threshold")
+
+
+@contextlib.contextmanager
+def drafter_settings(drafter, settings: dict):
+    """Apply a method's drafter generation settings for one call and restore the drafter's own afterwards."""
+    config = drafter.generation_config
+    saved = {key: getattr(config, key, None) for key in settings}
+    try:
+        for key, value in settings.items():
+            setattr(config, key, value)
+        yield drafter
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], drafter=None, max_new_tokens: int = 256,
+                   temperature: float = 0.0, seed: int = 0, multi_turn: bool = True) -> dict[str, MethodResult]:
+    """Run every method on one prompt record, turn by turn, methods interleaved (a noisy machine slows them alike).
+
+    Multi-turn records feed each method its OWN previous answers. ``methods`` maps a name to its settings:
+    ``{"assistant": True, "verification_policy": "fixed", ...}`` runs DSpark with those drafter generation settings
+    (``"drafter": obj`` picks another drafter than ``drafter``); ``{"assistant": False}`` is plain ``generate()``;
+    ``{"prompt_lookup": 7}`` transformers' prompt-lookup decoding."""
+    sample = temperature > 0
+    turns = record["turns"] if multi_turn else record["turns"][:1]
+    histories = {name: [] for name in methods}
+    results = {name: MethodResult() for name in methods}
+    for turn_index, turn in enumerate(turns):
+        for name, settings in methods.items():
+            messages = histories[name] + [{"role": "user", "content": turn}]
+            inputs = chat_inputs(tokenizer, messages)
+            kwargs = dict(max_new_tokens=max_new_tokens, do_sample=sample)
+            if sample:
+                kwargs.update(temperature=temperature, top_p=None, top_k=None)
+            method_drafter = settings.get("drafter", drafter)
+            overrides = {k: v for k, v in settings.items() if k in GENERATION_SETTINGS}
+            unknown = set(settings) - set(GENERATION_SETTINGS) - {"assistant", "drafter", "prompt_lookup"}
+            if unknown:
+                raise ValueError(f"method {name!r}: unknown settings {sorted(unknown)}")
+            if settings.get("assistant"):
+                if method_drafter is None:
+                    raise ValueError(f"method {name!r} needs a drafter")
+                kwargs["assistant_model"] = method_drafter
+            elif settings.get("prompt_lookup"):
+                kwargs["prompt_lookup_num_tokens"] = settings["prompt_lookup"]
+            context = drafter_settings(method_drafter, overrides) if settings.get("assistant") else contextlib.nullcontext()
+            with context:
+                torch.manual_seed(seed * 100_003 + turn_index)
+                start = time.perf_counter()
+                out = target.generate(**inputs, **kwargs)
+                elapsed = time.perf_counter() - start
+            new = out[0, inputs["input_ids"].shape[1]:]
+            results[name].add(len(new), elapsed, method_drafter.last_stats if settings.get("assistant") else None)
+            histories[name] = messages + [{"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}]
+    return results
+
+
+def summarise(per_method: dict[str, MethodResult], baseline: str | None = None) -> dict[str, dict]:
+    """Summaries per method; with a baseline, each gets ``speedup`` = its tokens/s over the baseline's."""
+    out = {name: r.summary() for name, r in per_method.items()}
+    if baseline is not None and baseline in out:
+        base = out[baseline]["tokens_per_s"]
+        for name in out:
+            out[name]["speedup"] = out[name]["tokens_per_s"] / base if base else None
+    return out
+
+
+def run_rollouts(target, tokenizer, drafter, prompt_paths, methods: dict[str, dict], num_prompts: int | None = 50,
+                 max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, multi_turn: bool = True,
+                 progress: bool = True, log_path: str | Path | None = None) -> dict:
+    """``rollout_record`` over the first ``num_prompts`` prompts of each set, aggregated per set (``set/<name>``),
+    per domain (``domain/<name>``) and overall (``all``). The first method is the speed baseline."""
+    from tqdm.auto import tqdm
+
+    records = load_prompts(prompt_paths)
+    by_set: dict[str, list[dict]] = {}
+    for r in records:
+        by_set.setdefault(r["set"], []).append(r)
+    chosen = [r for rs in by_set.values() for r in (rs[:num_prompts] if num_prompts else rs)]
+    results: dict[str, dict[str, MethodResult]] = {}
+    for index, record in enumerate(tqdm(chosen, desc="rollouts", unit="prompt", disable=not progress)):
+        per_method = rollout_record(target, tokenizer, record, methods, drafter, max_new_tokens, temperature,
+                                    seed * 1_000_003 + index, multi_turn)
+        for group in (f"set/{record['set']}", f"domain/{record['domain']}", "all"):
+            for name, result in per_method.items():
+                results.setdefault(group, {}).setdefault(name, MethodResult()).merge(result)
+        if log_path is not None:
+            with open(log_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"done": index + 1, "total": len(chosen), "id": record["id"]}) + "\n")
+    return {group: summarise(per_method, next(iter(methods))) for group, per_method in results.items()}
