@@ -229,6 +229,111 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a drafter as the folder a serving engine (vLLM, SGLang, TensorRT-LLM, reference DeepSpec) reads."""
+    from pathlib import Path
+
+    from .defaults import embedded_drafter_path, load_drafter_for
+    from .export import STS_FILE, export_for_engine
+
+    if args.target in (None, "smollm2", "SmolLM2-135M-Instruct"):
+        target, _ = _load_target(args.target, torch.float32)
+    else:  # only the embedding and LM head are exported: no tokenizer needed
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    drafter, origin = load_drafter_for(target, args.drafter, dtype=torch.float32)
+    sts = args.sts
+    source = Path(args.drafter) if args.drafter else embedded_drafter_path()
+    if sts is None and args.engine != "vllm" and source is not None and (source / STS_FILE).is_file():
+        sts = source / STS_FILE  # what `hf-dspark calibrate` wrote next to the drafter
+    result = export_for_engine(drafter, args.output, args.engine, dtype=DTYPES[args.dtype], sts=sts, sps=args.sps)
+    print(f"exported {origin} for {result.engine} to {result.folder}: {', '.join(result.files)}")
+    print(f"serve: {result.launch}")
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Serve the Gradio demo (plain vs DSpark streaming side by side) on SmolLM2-135M-Instruct, offline."""
+    import hf_dspark  # noqa: F401
+
+    from .demo import launch_default
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    launch_default(host=args.host, port=args.port, drafter=args.drafter, dtype=DTYPES[args.dtype],
+                   max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    """Accepted length, position-wise acceptance, threshold sweep, calibration and speed: report.json/.md + plots."""
+    import hf_dspark  # noqa: F401
+
+    from .defaults import embedded_drafter_path, load_drafter_for
+    from .evaluation.report import DEFAULT_THRESHOLDS, EvalSettings, run_eval
+
+    settings = EvalSettings(
+        data=args.data, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+        temperatures=args.temperatures, speed_prompts=args.speed_prompts,
+        speed_temperatures=args.speed_temperatures, speed_threshold=args.speed_threshold,
+        thresholds=args.thresholds or list(DEFAULT_THRESHOLDS), prompt_lookup=args.prompt_lookup, scheduler=not args.no_scheduler,
+        multi_turn=not args.first_turn_only, seed=args.seed,
+    )
+    if (args.num_shards is None) != (args.shard_index is None):
+        raise ValueError("--num-shards and --shard-index go together")
+    target, tokenizer, dtype = _setup_target(args)
+    drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
+    if args.ablation == "none":
+        ablation, ablation_origin = None, None
+    else:
+        path = args.ablation or (embedded_drafter_path("smollm2-135m-instruct-dflash")
+                                 if args.drafter is None and args.target is None else None)
+        ablation, ablation_origin = load_drafter_for(target, str(path), dtype=dtype) if path else (None, None)
+    description = {"target": args.target or "SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)", "drafter": origin,
+                   "ablation": ablation_origin, "dtype": args.dtype}
+    report = run_eval(target, tokenizer, drafter, args.output, settings, ablation=ablation,
+                      num_shards=args.num_shards, shard_index=args.shard_index, description=description,
+                      benchmarks_path=args.benchmarks, phases=args.phases)
+    for t, entry in report["temperatures"].items():
+        acc = entry.get("acceptance")
+        if acc:
+            macro = ", ".join(f"{m} {v['accepted_length']:.2f}" for m, v in acc["macro"].items())
+            ratio = acc.get("tau_ratio_dspark_over_dflash", {}).get("macro")
+            print(f"T={t}: macro tau {macro}" + (f" (DSpark/DFlash {ratio:.3f}x)" if ratio else ""))
+        if entry.get("speed"):
+            cells = ", ".join(f"{m} {r['speedup']:.2f}x" for m, r in entry["speed"]["all"].items() if m != "plain")
+            print(f"T={t}: speed vs plain: {cells}")
+    print(f"wrote {args.output}/report.json, report.md and plots" + (f"; {args.benchmarks}" if args.benchmarks else ""))
+    if report["missing"]:
+        print(f"incomplete: {len(report['missing'])} units still to run (other shards or --phases): "
+              + ", ".join(report["missing"]))
+    return 0
+
+
+def cmd_push(args) -> int:
+    """Push a drafter folder to the Hub: weights, code, custom_generate/, sts.json when calibrated, model card."""
+    from pathlib import Path
+
+    import hf_dspark  # noqa: F401  (saving writes auto_map and the code files)
+
+    from .hub import load_report, push_drafter, training_text
+    from .modeling_dspark import DSparkDrafter
+
+    if not Path(args.drafter, "config.json").is_file():
+        raise FileNotFoundError(f"drafter folder not found (no config.json): {args.drafter}")
+    drafter = DSparkDrafter.from_pretrained(args.drafter, dtype="auto")
+    info = push_drafter(
+        drafter, args.repo_id, revision=args.revision, private=True if args.private else None, token=args.token,
+        commit_message=args.commit_message, report=load_report(args.report) if args.report else None,
+        training=training_text(args.run) if args.run else None, target_name=args.target_name,
+    )
+    print(f"pushed {args.drafter} to {info.repo_url.repo_id}@{args.revision or 'main'}: commit {info.oid}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -339,6 +444,49 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--output", required=True, help="folder for the calibrated drafter, sts.json, plot")
     cal.set_defaults(func=cmd_calibrate)
 
+    ev = sub.add_parser("eval", help="evaluation report: tau, position-wise acceptance, threshold sweep, "
+                                     "calibration, speed vs plain (report.json/.md + plots, resumable)")
+    ev.add_argument("--data", nargs="+", required=True, help="prompt .jsonl files or folders (e.g. ../shared/data/eval)")
+    ev.add_argument("--output", required=True, help="report folder (re-run the same command to resume)")
+    ev.add_argument("--target", default=None, help="target model path (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--drafter", default=None, help="DSpark drafter folder (default: the embedded drafter)")
+    ev.add_argument("--ablation", default=None,
+                    help="DFlash-ablation drafter folder, or 'none' (default: the embedded ablation for the default pair)")
+    ev.add_argument("--num-prompts", type=int, default=50, help="prompts per set for the acceptance analyses")
+    ev.add_argument("--speed-prompts", type=int, default=10, help="prompts per set for the timed comparison")
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ev.add_argument("--speed-temperatures", type=float, nargs="*", default=None,
+                    help="temperatures for the timed comparison (default: --temperatures)")
+    ev.add_argument("--thresholds", type=float, nargs="+", default=None, help="static-threshold sweep values")
+    ev.add_argument("--speed-threshold", type=float, default=0.5, help="threshold of the timed threshold policy")
+    ev.add_argument("--prompt-lookup", type=int, default=7, help="prompt-lookup tokens (0: skip that baseline)")
+    ev.add_argument("--no-scheduler", action="store_true", help="skip the scheduled-verification timing")
+    ev.add_argument("--first-turn-only", action="store_true")
+    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--num-shards", type=int, default=None, help="split the work over N processes (default: accelerate's)")
+    ev.add_argument("--shard-index", type=int, default=None)
+    ev.add_argument("--phases", nargs="+", choices=["quality", "speed"], default=["quality", "speed"],
+                    help="quality: acceptance analyses (whole-block rounds); speed: timed comparison (run it quiet)")
+    ev.add_argument("--benchmarks", default=None, help="also write the Markdown report here (e.g. BENCHMARKS.md)")
+    ev.set_defaults(func=cmd_eval)
+
+    push = sub.add_parser("push", help="push a drafter folder to the Hugging Face Hub with its model card")
+    push.add_argument("--drafter", required=True, help="drafter folder (save_pretrained / hf-dspark calibrate output)")
+    push.add_argument("--repo-id", required=True, help="ORG/NAME")
+    push.add_argument("--revision", "--branch", dest="revision", default=None,
+                      help="branch to push to (created from main if missing; default: main)")
+    push.add_argument("--private", action="store_true", help="create the repo as private")
+    push.add_argument("--token", default=None, help="Hub token with write access (default: HF_TOKEN / hf auth login)")
+    push.add_argument("--report", default=None, help="evaluation report JSON for the card (hf-dspark bench --output)")
+    push.add_argument("--run", default=None, help="training run folder for the card's training section")
+    push.add_argument("--target-name", default=None,
+                      help="the target's Hub id for the card (default: from the folder's README.md)")
+    push.add_argument("--commit-message", default=None)
+    push.set_defaults(func=cmd_push)
+
     prof = sub.add_parser("profile", help="profile the target's SPS(B) curve (cached per device/dtype/threads)")
     prof.add_argument("--target", default=None)
     prof.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -348,6 +496,26 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--threads", type=int, default=None)
     prof.add_argument("--export", default=None, help="also write the serving-engine SPS JSON here")
     prof.set_defaults(func=cmd_profile)
+
+    exp = sub.add_parser("export", help="write a drafter folder for a serving engine (vllm, sglang, trtllm, reference)")
+    exp.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
+    exp.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm", "reference"])
+    exp.add_argument("--output", required=True, help="folder to write")
+    exp.add_argument("--target", default=None, help="the drafter's target, whose embedding / LM head are copied "
+                     "(default: SmolLM2-135M-Instruct)")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weight dtype of the export")
+    exp.add_argument("--sps", default=None, help="SPS profile JSON (hf-dspark profile --export, or its cache file)")
+    exp.add_argument("--sts", default=None, help="calibration JSON (default: the drafter folder's sts.json, if any)")
+    exp.set_defaults(func=cmd_export)
+
+    demo = sub.add_parser("demo", help="Gradio demo: plain vs DSpark streaming side by side, drafts per round")
+    demo.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    demo.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    demo.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    demo.add_argument("--max-new-tokens", type=int, default=128, help="the UI's initial max new tokens")
+    demo.add_argument("--threads", type=int, default=None)
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
