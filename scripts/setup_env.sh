@@ -10,3 +10,10 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install --quiet "torch==2.13.0"
 .venv/bin/pip install --quiet -e ".[test]"
+# The demo's headless-browser test drives Debian's chromium through playwright (no `playwright install` download).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi
+    { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+        || echo "setup_env.sh: could not install chromium (apt-get); the demo's browser test will be skipped" >&2
+fi

@@ -1,0 +1,441 @@
+"""Gradio demo: plain ``generate()`` and DSpark-assisted ``generate()`` streaming side by side.
+
+``build_demo(target, tokenizer, drafter)`` returns a ``gr.Blocks`` app for any target / tokenizer / DSpark drafter
+(``demo/app.py`` and ``hf-dspark demo`` launch it on ``hf_dspark.load_default()``). Each request runs plain greedy
+decoding, then DSpark-assisted greedy decoding, one after the other so each gets the whole machine and its
+tokens/s is honest; tokens arrive through transformers' streamer (``streamer.put``), and DSpark's per-round drafts
+through ``drafter.round_callback`` (``hf_dspark.generation.DSparkRound``). ``round_html`` (a pure function) renders
+one round with accepted, rejected, unverified and bonus tokens in distinct colours and each draft's confidence.
+"""
+
+from __future__ import annotations
+
+import html
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from .generation import DSparkRound, DSparkStats
+from .scheduling import ConfidenceThresholdPolicy, FixedLengthPolicy, PrefixSchedulerPolicy, VerificationPolicy
+
+POLICIES = ("fixed", "threshold", "scheduler")
+UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
+ROUNDS_SHOWN = 64  # the draft panel keeps the latest rounds
+
+# status -> (background, text colour, style of the token text)
+TOKEN_STYLES = {
+    "accepted": ("#bff0c4", "#0b4d16", ""),
+    "rejected": ("#f7c0c0", "#7a0c0c", "text-decoration:line-through;"),
+    "unverified": ("#e4e4e7", "#71717a", ""),
+    "bonus": ("#c3d9fb", "#0b3a7a", "font-weight:600;"),
+}
+BOX_STYLE = ("display:inline-block;margin:1px;padding:1px 4px;border-radius:4px;text-align:center;"
+             "font-family:monospace;white-space:pre;")
+LEGEND = {
+    "accepted": "accepted draft",
+    "rejected": "rejected draft",
+    "unverified": "not verified (policy or length limit)",
+    "bonus": "target's token (bonus / correction)",
+}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Rendering (pure)
+# ------------------------------------------------------------------------------------------------------------------
+def token_text(text: str) -> str:
+    """A token's text made visible in a box: spaces as '␣', newlines as '⏎', tabs as '⇥' (HTML-escaped)."""
+    shown = text.replace(" ", "␣").replace("\n", "⏎").replace("\t", "⇥")
+    return html.escape(shown or "∅")
+
+
+def _token_span(text: str, status: str, confidence: float | None) -> str:
+    background, colour, text_style = TOKEN_STYLES[status]
+    title = LEGEND[status] + ("" if confidence is None else f", confidence {confidence:.2f}")
+    conf = "" if confidence is None else (
+        f'<span class="dspark-conf" style="display:block;font-size:0.7em;opacity:0.8;">{confidence:.2f}</span>'
+    )
+    return (
+        f'<span class="dspark-tok dspark-{status}" data-status="{status}" title="{html.escape(title)}" '
+        f'style="{BOX_STYLE}background:{background};color:{colour};">'
+        f'<span class="dspark-text" style="{text_style}">{token_text(text)}</span>{conf}</span>'
+    )
+
+
+def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
+    """One round as a row of coloured token boxes: the drafted block (accepted / rejected / unverified, each with
+    its confidence c_k when the drafter has a confidence head), then the target's own token.
+
+    ``decode`` maps a token id to its text (e.g. ``lambda i: tokenizer.decode([i])``).
+    """
+    confidences = record.confidences or []
+    spans = []
+    for k, token_id in enumerate(record.draft_ids):
+        status = "accepted" if k < record.accepted else "rejected" if k < record.verified else "unverified"
+        spans.append(_token_span(decode(token_id), status, confidences[k] if k < len(confidences) else None))
+    # The last emitted token is the target's own: the bonus when every verified draft was accepted, else the
+    # correction of the first rejected one.
+    if len(record.emitted_ids) > record.accepted:
+        spans.append(_token_span(decode(record.emitted_ids[-1]), "bonus", None))
+    summary = f"{record.accepted}/{record.verified} accepted, +{len(record.emitted_ids)}"
+    return (
+        f'<div class="dspark-round" data-round="{record.index}" style="margin:2px 0;">'
+        f'<span style="display:inline-block;width:11em;font-size:0.8em;opacity:0.75;">round {record.index + 1}: '
+        f"{summary}</span>{''.join(spans)}</div>"
+    )
+
+
+def legend_html() -> str:
+    boxes = "".join(
+        f'<span style="{BOX_STYLE}background:{background};color:{colour};"><span style="{text_style}">'
+        f"{html.escape(LEGEND[status])}</span></span>"
+        for status, (background, colour, text_style) in TOKEN_STYLES.items()
+    )
+    return boxes + '<span style="font-size:0.8em;opacity:0.75;"> &nbsp;numbers under drafts: confidence c_k</span>'
+
+
+def rounds_panel_html(round_rows: list[str]) -> str:
+    hidden = len(round_rows) - ROUNDS_SHOWN
+    note = f'<div style="font-size:0.8em;opacity:0.7;">... {hidden} earlier rounds</div>' if hidden > 0 else ""
+    return f'<div class="dspark-rounds">{note}{"".join(round_rows[-ROUNDS_SHOWN:])}</div>'
+
+
+def summary_markdown(stats: DSparkStats, plain_tps: float | None, dspark_tps: float | None,
+                     identical: bool | None) -> str:
+    """tau, acceptance and speedup so far."""
+    if not stats.rounds:
+        return "tau (accepted length incl. bonus): waiting for the first DSpark round"
+    positions = ", ".join("-" if p is None else f"{p:.2f}" for p in stats.position_acceptance())
+    lines = [
+        f"**tau (accepted length incl. bonus) = {stats.accepted_length:.2f}** over {stats.rounds} rounds; "
+        f"acceptance rate {stats.acceptance_rate:.2f} ({sum(stats.accepted)}/{sum(stats.verified)} verified drafts)",
+        f"per-position acceptance: {positions}",
+    ]
+    if plain_tps and dspark_tps:
+        lines.append(f"**speedup {dspark_tps / plain_tps:.2f}x** ({dspark_tps:.1f} vs {plain_tps:.1f} tokens/s)")
+    if identical is not None:
+        lines.append("identical to plain greedy: " + ("yes" if identical else
+                     "NO (float32 guarantees equality; in bfloat16/float16 near-ties can round differently)"))
+    return "\n\n".join(lines)
+
+
+def speed_markdown(name: str, tokens: int, seconds: float, done: bool) -> str:
+    rate = tokens / seconds if seconds > 0 else 0.0
+    state = "done" if done else "generating..."
+    return f"**{name}**: {tokens} tokens in {seconds:.2f} s, **{rate:.1f} tokens/s** ({state})"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Policies
+# ------------------------------------------------------------------------------------------------------------------
+class CappedPolicy(VerificationPolicy):
+    """Another policy, never verifying more than ``cap`` drafts (a fixed cap is non-anticipating: still lossless)."""
+
+    def __init__(self, inner: VerificationPolicy, cap: int):
+        self.inner, self.cap = inner, int(cap)
+        self.name = f"{inner.name}(max {self.cap})"
+        self.needs_confidences = inner.needs_confidences
+
+    def num_to_verify(self, confidences, max_drafts):
+        return self.inner.num_to_verify(confidences, min(max_drafts, self.cap))
+
+    def observe(self, verified, accepted):
+        self.inner.observe(verified, accepted)
+
+
+def make_policy(name: str, num_verify: int, threshold: float, block_size: int, sps=None) -> VerificationPolicy:
+    """The demo's policy: ``fixed`` verifies ``num_verify`` drafts; ``threshold`` and ``scheduler`` verify at most
+    ``num_verify`` (``sps``: the target's StepsPerSecond profile, needed by ``scheduler``)."""
+    if not 1 <= int(num_verify) <= block_size:
+        raise ValueError(f"draft tokens to verify must be in 1..{block_size}, got {num_verify}")
+    if name == "fixed":
+        return FixedLengthPolicy(int(num_verify))
+    if name == "threshold":
+        inner = ConfidenceThresholdPolicy(float(threshold))
+    elif name == "scheduler":
+        if sps is None:
+            raise ValueError("the scheduler policy needs the target's SPS profile")
+        inner = PrefixSchedulerPolicy(sps)
+    else:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return inner if int(num_verify) == block_size else CappedPolicy(inner, int(num_verify))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Streaming one generate() call
+# ------------------------------------------------------------------------------------------------------------------
+class _QueueStreamer(BaseStreamer):
+    """transformers streamer: each ``put`` after the prompt is one step's (or round's) new tokens."""
+
+    def __init__(self, events: queue.Queue):
+        self.events, self.seen_prompt = events, False
+
+    def put(self, value):
+        if not self.seen_prompt:  # generate() first puts the prompt
+            self.seen_prompt = True
+            return
+        self.events.put(("tokens", value.reshape(-1).tolist()))
+
+    def end(self):
+        pass
+
+
+class _StopFlag(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+@dataclass
+class Progress:
+    """What one streaming ``generate`` produced so far."""
+
+    ids: list[int] = field(default_factory=list)
+    rounds: list[DSparkRound] = field(default_factory=list)
+    start: float = 0.0
+    seconds: float = 0.0
+    done: bool = False
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.ids) / self.seconds if self.seconds > 0 else 0.0
+
+
+def stream_generate(target, inputs: dict, settings: dict, drafter=None, stop: threading.Event | None = None,
+                    interval_s: float = UPDATE_INTERVAL_S) -> Iterator[Progress]:
+    """Run ``target.generate`` in a thread and yield its progress at most every ``interval_s`` (and once at the
+    end, with ``seconds`` the wall time of the whole ``generate`` call). With ``drafter``, DSpark-assisted."""
+    events: queue.Queue = queue.Queue()
+    stop = stop or threading.Event()
+    progress = Progress()
+    kwargs = dict(inputs, **settings, streamer=_QueueStreamer(events),
+                  stopping_criteria=StoppingCriteriaList([_StopFlag(stop)]))
+    if drafter is not None:
+        kwargs["assistant_model"] = drafter
+
+    def work():
+        try:
+            if drafter is not None:
+                drafter.round_callback = lambda record: events.put(("round", record))
+            progress.start = time.perf_counter()
+            with torch.inference_mode():
+                target.generate(**kwargs)
+            events.put(("done", time.perf_counter() - progress.start))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
+            events.put(("error", err))
+        finally:
+            if drafter is not None:
+                drafter.round_callback = None
+
+    thread = threading.Thread(target=work, name="hf-dspark-demo-generate", daemon=True)
+    thread.start()
+    last = 0.0
+    try:
+        while True:
+            kind, payload = events.get()
+            if kind == "tokens":
+                progress.ids.extend(payload)
+            elif kind == "round":
+                progress.rounds.append(payload)
+            elif kind == "error":
+                raise payload
+            else:
+                progress.seconds, progress.done = payload, True
+                yield progress
+                return
+            now = time.perf_counter()
+            if now - last >= interval_s and events.empty():
+                last = now
+                progress.seconds = now - progress.start
+                yield progress
+    finally:
+        stop.set()  # the consumer went away (cancelled / disconnected): end the generation early
+        thread.join()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The app
+# ------------------------------------------------------------------------------------------------------------------
+class DemoRunner:
+    """The models plus one lock (the models are shared by every session; runs go one at a time)."""
+
+    def __init__(self, target, tokenizer, drafter, sps_time_budget_s: float = 30.0,
+                 update_interval_s: float = UPDATE_INTERVAL_S):
+        drafter.check_target(target)
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.block_size = drafter.config.block_size
+        self.sps_time_budget_s = sps_time_budget_s
+        self.update_interval_s = update_interval_s
+        self.has_confidence = drafter.confidence_head is not None
+        self.lock = threading.Lock()
+        self._warm = False
+        self._token_text: dict[int, str] = {}
+
+    def decode_token(self, token_id: int) -> str:
+        if token_id not in self._token_text:
+            self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return self._token_text[token_id]
+
+    def encode(self, prompt: str) -> dict:
+        if not prompt or not prompt.strip():
+            raise ValueError("the prompt is empty")
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                      return_tensors="pt", return_dict=True)
+        return self.tokenizer(prompt, return_tensors="pt")
+
+    def policy(self, name: str, num_verify: int, threshold: float) -> VerificationPolicy:
+        if name in ("threshold", "scheduler") and not self.has_confidence:
+            raise ValueError(f"the {name} policy needs a drafter with a confidence head; use fixed")
+        sps = None
+        if name == "scheduler":
+            from .profiling import load_or_profile  # measured once per device/dtype/threads, then cached
+
+            sps = load_or_profile(self.target, self.block_size + 1, time_budget_s=self.sps_time_budget_s)
+        return make_policy(name, num_verify, threshold, self.block_size, sps)
+
+    def _warm_up(self, inputs: dict) -> None:
+        """A few tokens each way first, so neither timed run pays one-off start-up costs."""
+        if self._warm:
+            return
+        settings = dict(max_new_tokens=4, do_sample=False)
+        with torch.inference_mode():
+            self.target.generate(**inputs, **settings)
+            self.target.generate(**inputs, **settings, assistant_model=self.drafter)
+        self._warm = True
+
+    def run(self, prompt: str, max_new_tokens: int, policy_name: str, threshold: float,
+            num_verify: int) -> Iterator[tuple[str, str, str, str, str, str]]:
+        """Yields (plain text, plain speed, DSpark text, DSpark speed, draft rounds HTML, summary)."""
+        inputs = self.encode(prompt)
+        max_new_tokens = int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        with self.lock:
+            if policy_name == "scheduler":
+                yield "", "", "", "", "", "measuring the target's speed profile SPS(B) for the scheduler (once, cached)"
+            policy = self.policy(policy_name, num_verify, threshold)
+            config = self.drafter.generation_config
+            saved = getattr(config, "verification_policy", None)
+            config.verification_policy = policy
+            try:
+                self._warm_up(inputs)
+                plain_text, plain_speed, plain = "", "", Progress()
+                empty_stats = DSparkStats(block_size=self.block_size)
+                for plain in stream_generate(self.target, inputs, settings, interval_s=self.update_interval_s):
+                    plain_text = decode(plain.ids)
+                    plain_speed = speed_markdown("plain generate()", len(plain.ids), plain.seconds, plain.done)
+                    yield plain_text, plain_speed, "", "", "", summary_markdown(empty_stats, None, None, None)
+                rows: list[str] = []
+                stats = DSparkStats(block_size=self.block_size)
+                for dspark in stream_generate(self.target, inputs, settings, drafter=self.drafter,
+                                              interval_s=self.update_interval_s):
+                    for record in dspark.rounds[stats.rounds:]:
+                        stats.add_round(self.block_size, record.verified, record.accepted, record.confidences)
+                        rows.append(round_html(record, self.decode_token))
+                    identical = dspark.ids == plain.ids if dspark.done else None
+                    yield (
+                        plain_text, plain_speed, decode(dspark.ids),
+                        speed_markdown("DSpark", len(dspark.ids), dspark.seconds, dspark.done),
+                        rounds_panel_html(rows),
+                        summary_markdown(stats, plain.tokens_per_s, dspark.tokens_per_s if dspark.done else None,
+                                         identical),
+                    )
+            finally:
+                config.verification_policy = saved
+
+
+def _import_gradio():
+    try:
+        import gradio
+    except ImportError as err:
+        raise ImportError("the demo needs gradio: pip install 'hf-dspark[demo]'") from err
+    return gradio
+
+
+def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str | None = None,
+               update_interval_s: float = UPDATE_INTERVAL_S):
+    """A ``gr.Blocks`` app: prompt, policy settings, plain vs DSpark streaming side by side, per-round drafts,
+    tau and speedup. Any decoder-only target with its tokenizer and a DSpark drafter shaped for it; the UI is
+    updated at most every ``update_interval_s`` seconds per run."""
+    gr = _import_gradio()
+
+    runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s)
+    target_name = Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
+    name = title or f"DSpark speculative decoding: {target_name}"
+    policies = list(POLICIES) if runner.has_confidence else ["fixed"]
+
+    def generate(prompt, max_tokens, policy_name, threshold, num_verify):
+        try:
+            yield from runner.run(prompt, max_tokens, policy_name, threshold, num_verify)
+        except ValueError as err:
+            raise gr.Error(str(err)) from err
+
+    with gr.Blocks(title="hf-dspark demo", analytics_enabled=False) as demo:
+        gr.Markdown(f"## {html.escape(name)}\nGreedy decoding with plain `generate()` first, then with the DSpark "
+                    f"drafter (block size {runner.block_size}); in float32 the two outputs are identical.")
+        with gr.Row():
+            prompt = gr.Textbox(label="Prompt", lines=3, scale=4,
+                                value="Write a Python function that checks whether a number is prime.")
+            with gr.Column(scale=1):
+                run_button = gr.Button("Generate", variant="primary", elem_id="generate-button")
+                stop_button = gr.Button("Stop", elem_id="stop-button")
+        with gr.Row():
+            policy = gr.Radio(policies, value="fixed", label="Verification policy",
+                              info="fixed: verify N drafts; threshold: up to the first c_k < t; scheduler: "
+                                   "Algorithm 1 on the target's SPS profile")
+            num_verify = gr.Slider(1, runner.block_size, value=runner.block_size, step=1,
+                                   label="Draft tokens to verify (N)", info="exactly N for fixed, at most N otherwise")
+            threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
+                                  interactive=runner.has_confidence)
+            max_tokens = gr.Slider(1, max(512, max_new_tokens), value=max_new_tokens, step=1, label="Max new tokens")
+        with gr.Row(equal_height=True):
+            with gr.Column():
+                plain_speed = gr.Markdown(elem_id="plain-speed")
+                plain_text = gr.Textbox(label="plain generate()", lines=10, elem_id="plain-output")
+            with gr.Column():
+                dspark_speed = gr.Markdown(elem_id="dspark-speed")
+                dspark_text = gr.Textbox(label="DSpark-assisted generate()", lines=10, elem_id="dspark-output")
+        summary = gr.Markdown(elem_id="dspark-summary")
+        gr.HTML(legend_html())
+        rounds = gr.HTML(elem_id="dspark-rounds", max_height=420, autoscroll=True)
+        inputs = [prompt, max_tokens, policy, threshold, num_verify]
+        outputs = [plain_text, plain_speed, dspark_text, dspark_speed, rounds, summary]
+        # One run at a time across sessions: the runs share the models, and timing them side by side needs the CPU.
+        events = [
+            run_button.click(generate, inputs, outputs, api_name="generate", concurrency_limit=1,
+                             concurrency_id="generate"),
+            prompt.submit(generate, inputs, outputs, api_name=False, concurrency_limit=1, concurrency_id="generate"),
+        ]
+        stop_button.click(None, cancels=events)
+    demo.runner = runner
+    return demo
+
+
+def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: str | None = None,
+                   dtype: torch.dtype = torch.float32, max_new_tokens: int = 128, **launch_kwargs):
+    """Serve the demo on SmolLM2-135M-Instruct with the embedded drafter (or ``drafter``, a folder); blocks until
+    interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the demo runs offline)."""
+    from .defaults import load_drafter_for
+    from .target import load_smollm2
+
+    _import_gradio()
+    target, tokenizer = load_smollm2(dtype=dtype)
+    model, origin = load_drafter_for(target, drafter, dtype=dtype)
+    demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
+                      title=f"DSpark on SmolLM2-135M-Instruct (drafter: {Path(origin).name})")
+    return demo.launch(server_name=host, server_port=port, share=False, **launch_kwargs)
+
+
+__all__ = ["CappedPolicy", "DemoRunner", "build_demo", "launch_default", "make_policy", "round_html",
+           "stream_generate"]
