@@ -334,6 +334,50 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    """Replay a prompt set through the batched engine at several concurrencies: plain / fixed / scheduled."""
+    from pathlib import Path
+
+    from .defaults import load_drafter_for
+    from .engine.bench import bench_serve, encode_prompts, parse_method, plot_bench
+    from .prompts import load_prompts
+
+    for method in args.methods:
+        parse_method(method, args.schedule)  # fail fast on a typo, before loading anything
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target, tokenizer, dtype = _setup_target(args)
+    target = target.to(device)
+    drafter, origin = None, None
+    if any(not m.startswith("plain") for m in args.methods):
+        drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
+        drafter = drafter.to(device)
+    sps = None
+    if args.sps:
+        from .profiling import BatchedStepsPerSecond
+        from .scheduling import StepsPerSecond
+
+        data = json.loads(Path(args.sps).read_text())
+        data = data.get("profile", data)  # hf-dspark profile's cache file wraps the curve
+        sps = BatchedStepsPerSecond.from_dict(data) if "curves" in data else StepsPerSecond.from_dict(data)
+    prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
+    print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
+          f"{len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
+    report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         schedule=args.schedule, sps=sps, seed=args.seed, warmup=not args.no_warmup,
+                         log=lambda line: print(line, flush=True))
+    settings = {k: v for k, v in vars(args).items() if k != "func"}
+    payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
+                            "prompt_ids": [i for i, _ in prompts]}, **report}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(payload, indent=2))
+    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
+    if plot and len(args.concurrency) > 1:
+        print(f"plot: {plot_bench(report, plot)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -516,6 +560,30 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=128, help="the UI's initial max new tokens")
     demo.add_argument("--threads", type=int, default=None)
     demo.set_defaults(func=cmd_demo)
+
+    serve = sub.add_parser("bench-serve", help="batched serving: tokens/s and verification budget vs concurrency")
+    serve.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files or folders")
+    serve.add_argument("--num-prompts", type=int, default=64, help="prompts replayed (shuffled with --seed)")
+    serve.add_argument("--max-new-tokens", type=int, default=256)
+    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                       help="most requests in the batch at once (one run per value)")
+    serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
+                       help="plain | fixed | fixed=N | scheduled | scheduled=prefix | scheduled=topk")
+    serve.add_argument("--schedule", choices=["prefix", "topk"], default="prefix",
+                       help="budget sharing for 'scheduled': Algorithm 1 or dynamic top-K")
+    serve.add_argument("--sps", default=None, help="SPS profile JSON (default: profile the target, cached)")
+    serve.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
+    serve.add_argument("--target", default=None)
+    serve.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    serve.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    serve.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs checked against plain)")
+    serve.add_argument("--top-p", type=float, default=None)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--threads", type=int, default=None)
+    serve.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run of each method")
+    serve.add_argument("--output", default=None, help="write the JSON report here (and the plot next to it)")
+    serve.add_argument("--plot", default=None, help="PNG path (default: --output with .png; needs 2+ concurrencies)")
+    serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -29,3 +29,13 @@ def trained_drafters(tiny_targets):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the opt-in ``vllm`` tests (they need the separate vLLM venv) unless ``-m`` names the marker."""
+    if "vllm" in (config.getoption("markexpr") or ""):
+        return
+    deselected = [item for item in items if item.get_closest_marker("vllm")]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [item for item in items if not item.get_closest_marker("vllm")]
