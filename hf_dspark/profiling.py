@@ -103,6 +103,127 @@ def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, ti
     return sps
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Batched verification steps (hf_dspark.engine)
+# ------------------------------------------------------------------------------------------------------------------
+class BatchedStepsPerSecond:
+    """SPS of batched verification steps over the TOTAL verification tokens B of the batch, profiled at a few
+    batch sizes (number of requests R).
+
+    The engine runs a padded batch, so a step's cost depends on R and on the tokens per request; for R requests the
+    curve is read from the nearest profiled batch size R' >= R (else the largest) at the same tokens per request:
+    ``SPS_R(B) = SPS_R'(B * R' / R)``. Values between profiled points are linearly interpolated, and B never goes
+    past the profiled range.
+    """
+
+    def __init__(self, curves: dict[int, StepsPerSecond]):
+        if not curves:
+            raise ValueError("a batched SPS profile needs at least one batch size")
+        self.curves = {int(r): c for r, c in sorted(curves.items())}
+
+    def curve_for(self, num_requests: int) -> tuple[int, StepsPerSecond]:
+        sizes = list(self.curves)
+        size = next((s for s in sizes if s >= num_requests), sizes[-1])
+        return size, self.curves[size]
+
+    def table(self, num_requests: int, max_batch_tokens: int | None = None, device=None) -> torch.Tensor:
+        """SPS for B = 0..max_batch_tokens total tokens with ``num_requests`` requests (index 0 unused: 0)."""
+        import numpy as np
+
+        if num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+        size, curve = self.curve_for(num_requests)
+        scale = size / num_requests
+        profiled = int(curve.max_batch_tokens / scale)
+        top = profiled if max_batch_tokens is None else min(int(max_batch_tokens), profiled)
+        b = np.arange(top + 1, dtype=np.float64) * scale
+        values = np.interp(b, curve.batch_tokens, curve.steps_per_sec)
+        values[0] = 0.0
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    def to_dict(self) -> dict:
+        return {"curves": {str(r): c.to_dict() for r, c in self.curves.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BatchedStepsPerSecond":
+        if "curves" not in data:
+            raise ValueError("batched SPS profile lacks 'curves'")
+        return cls({int(r): StepsPerSecond.from_dict(c) for r, c in data["curves"].items()})
+
+
+@torch.no_grad()
+def measure_batched_steps_per_second(model, num_requests: int, tokens_per_request: list[int], context_length: int = 256,
+                                     repeats: int = 5, hidden_state_indices: list[int] | None = None,
+                                     time_budget_s: float = 60.0) -> tuple[StepsPerSecond, dict]:
+    """Steps/s of the engine's verification forward: ``num_requests`` rows of ``context_length`` cached tokens each,
+    ``q`` new tokens per row (the padded batch the engine runs), for each q in ``tokens_per_request``.
+
+    Returns SPS over the total tokens B = R * q, and the raw timings (median of ``repeats`` after a warm-up).
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (num_requests, context_length), generator=generator).to(device)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    extra = {"output_hidden_states": list(hidden_state_indices)} if hidden_state_indices else {}
+    started = time.perf_counter()
+    raw: dict[int, list[float]] = {}
+    for q in tokens_per_request:
+        step_ids = torch.randint(0, vocab, (num_requests, q), generator=generator).to(device)
+        positions = torch.arange(context_length, context_length + q, device=device).expand(num_requests, -1)
+        mask = torch.ones(num_requests, context_length + q, dtype=torch.long, device=device)
+        times = []
+        for r in range(repeats + 1):  # the first run is a warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            cache.crop(-q)
+            if r:
+                times.append(elapsed)
+        raw[q] = times
+        if time.perf_counter() - started > time_budget_s:
+            break
+    measured = sorted(raw)
+    batch_tokens = [num_requests * q for q in measured]
+    sps = [1.0 / statistics.median(raw[q]) for q in measured]
+    return StepsPerSecond(batch_tokens, sps, max(batch_tokens)), {str(q): t for q, t in raw.items()}
+
+
+def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: int, folder: Path | None = None,
+                            context_length: int = 256, repeats: int = 5,
+                            hidden_state_indices: list[int] | None = None,
+                            time_budget_s: float = 60.0) -> BatchedStepsPerSecond:
+    """The cached batched SPS profile covering ``batch_sizes`` requests with up to ``tokens_per_request`` tokens each
+    (q = 1..tokens_per_request); measures only what the cache lacks, per batch size."""
+    key = {**profile_key(model), "kind": "batched", "context_length": context_length}
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = (folder or cache_root() / "profiles") / f"sps-batched-{digest}.json"
+    data = json.loads(path.read_text()) if path.is_file() else {"key": key, "curves": {}, "raw_seconds": {}}
+    changed = False
+    for size in sorted(set(int(s) for s in batch_sizes)):
+        cached = data["curves"].get(str(size))
+        if cached is not None and cached["max_batch_tokens"] >= size * tokens_per_request:
+            continue
+        sps, raw = measure_batched_steps_per_second(model, size, list(range(1, tokens_per_request + 1)),
+                                                    context_length, repeats, hidden_state_indices, time_budget_s)
+        data["curves"][str(size)] = sps.to_dict()
+        data["raw_seconds"][str(size)] = raw
+        changed = True
+    if changed:
+        data["created"] = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(path)
+    wanted = {str(int(s)) for s in batch_sizes}
+    return BatchedStepsPerSecond.from_dict({"curves": {r: c for r, c in data["curves"].items() if r in wanted}})
+
+
 def export_sps(sps: StepsPerSecond, path: str | Path) -> Path:
     """Write the serving-engine SPS format: sample_batch_tokens / sample_steps_per_sec / max_batch_tokens."""
     path = Path(path)

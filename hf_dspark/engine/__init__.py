@@ -1,0 +1,36 @@
+"""Batched DSpark serving: ``DSparkEngine`` (continuous batching, one target forward per step for all requests),
+``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay (``hf_dspark.engine.bench``)."""
+
+from .batching import (
+    BatchOutput,
+    DSparkEngine,
+    EngineStats,
+    RaggedBatchCache,
+    RequestOutput,
+    SamplingParams,
+    TokenEvent,
+    capped_confidences,
+    extend_drafter_context,
+    generate_batch,
+    greedy_verify,
+    schedule_batch,
+    speculative_verify,
+    stream_batch,
+)
+
+__all__ = [
+    "BatchOutput",
+    "DSparkEngine",
+    "EngineStats",
+    "RaggedBatchCache",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenEvent",
+    "capped_confidences",
+    "extend_drafter_context",
+    "generate_batch",
+    "greedy_verify",
+    "schedule_batch",
+    "speculative_verify",
+    "stream_batch",
+]

@@ -1,0 +1,934 @@
+"""Batched DSpark serving: R concurrent requests share one target forward per step.
+
+transformers' assisted generation serves one sequence at a time; here every step
+
+1. admits waiting requests (continuous batching: they are prefilled together and join the batch as new rows),
+2. drafts a block for the requests that will be verified (``DSparkDrafter`` forward + ``sample_block``, batched),
+3. picks a verification length per request from a shared budget (fixed, or the prefix scheduler / dynamic top-K
+   over the profiled SPS(B) curve of the TOTAL verification tokens B of the batch),
+4. verifies every request's ragged block ``[anchor, drafts...]`` in ONE padded target forward,
+5. accepts per request (greedy matching or speculative sampling, with that request's own sampling parameters),
+   streams the new tokens, and retires finished requests (EOS or max length) so others can join.
+
+Rejected tokens are rolled back by masking, not by cropping: ``RaggedBatchCache`` keeps the target's
+``DynamicCache`` and the drafter's context cache column-aligned, with a per-row ``valid`` mask. A verification
+forward appends the block's columns to every row; afterwards only the anchor and the accepted drafts stay valid,
+rejected drafts and padding become holes that every later attention mask hides. Valid columns of a row hold its
+positions 0..n-1 in order, so the caches always contain exactly the verified sequence; ``compact`` squeezes the
+holes out now and then.
+
+transformers' own continuous batching (``generation/continuous_batching``) was studied first: its paged cache and
+varlen inputs do carry ragged query lengths, but the manager samples one token per request per step from the last
+position only, returns no hidden states (the drafter needs the target's features), has no way to roll a request's
+cache back (``position_offset`` only grows; completed blocks are hashed for prefix sharing), and drives its own
+scheduler and sampler in a background thread. Using it would mean driving its internal classes directly, so this
+engine uses a padded batch with per-row attention masks and positions instead. The price of padding: a step costs
+R * max(1 + l_r) tokens rather than sum(1 + l_r); the SPS(B) profile is measured on that padded batch with the B
+tokens spread evenly over the requests (``hf_dspark.profiling.load_or_profile_batched``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    DynamicCache,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.cache_utils import DynamicLayer
+
+from ..generation import DSparkStats, is_dspark_drafter
+from ..modeling_dspark import DSparkContextCache
+from ..scheduling import StepsPerSecond, dynamic_topk_capacity
+
+METHODS = ("plain", "fixed", "scheduled")
+SCHEDULES = ("prefix", "topk")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Per-request sampling parameters
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes. Greedy unless ``do_sample``; sampling applies transformers' temperature, top-k and
+    top-p warpers (in generate()'s order) to both the target's and the drafter's logits.
+
+    ``eos_token_id`` None means the target's ``generation_config.eos_token_id``; ``[]`` disables EOS.
+    """
+
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    eos_token_id: int | tuple[int, ...] | list[int] | None = None
+
+    def __post_init__(self):
+        if int(self.max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k is not None and int(self.top_k) < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+
+    @property
+    def group_key(self) -> tuple:
+        """Requests with equal keys draft and verify with the same processors (one batched call)."""
+        if not self.do_sample:
+            return ("greedy",)
+        return ("sample", float(self.temperature), self.top_k, self.top_p)
+
+    def warpers(self) -> LogitsProcessorList | None:
+        """The processors that define p (and q): None for greedy decoding."""
+        if not self.do_sample:
+            return None
+        processors = LogitsProcessorList()
+        if self.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(float(self.temperature)))
+        if self.top_k is not None:
+            processors.append(TopKLogitsWarper(int(self.top_k)))
+        if self.top_p is not None and self.top_p < 1.0:
+            processors.append(TopPLogitsWarper(float(self.top_p)))
+        return processors
+
+
+def _processed_probs(logits: torch.Tensor, processors: LogitsProcessorList | None) -> torch.Tensor:
+    """softmax(processors(logits)) over the last axis of [..., V] float logits. The warpers used here look at
+    scores only, so the token history passed to them is a placeholder."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if processors:
+        flat = processors(flat.new_zeros(flat.shape[0], 1, dtype=torch.long), flat)
+    return torch.softmax(flat, dim=-1).view(logits.shape)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Verification of ragged blocks (pure functions)
+# ------------------------------------------------------------------------------------------------------------------
+def greedy_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification: accept while the draft equals the target's argmax, then emit the target's own token.
+
+    Args:
+        draft_ids: [R, L] drafts (padded past ``num_drafts``).
+        num_drafts: [R] verified drafts per row (0..L).
+        target_logits: [R, L + 1, V]; position j scores the token after the block's j-th input (anchor = input 0).
+    Returns:
+        accepted [R] (leading drafts accepted) and next_tokens [R] (the correction, or the bonus token).
+    """
+    target_ids = target_logits.argmax(dim=-1)  # [R, L + 1]
+    length = draft_ids.shape[1]
+    verified = torch.arange(length, device=draft_ids.device) < num_drafts[:, None]
+    matches = (draft_ids == target_ids[:, :length]) & verified
+    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, target_ids.gather(1, accepted[:, None]).squeeze(1)
+
+
+def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor,
+                       target_probs: torch.Tensor, generator: torch.Generator | None = None):
+    """Speculative sampling: accept draft k with probability min(1, p(x_k) / q(x_k)); at the first rejection sample
+    from norm(max(p - q, 0)); when every verified draft is accepted, sample the bonus token from p.
+
+    Args:
+        draft_ids: [R, L]; num_drafts: [R].
+        draft_probs: [R, L, V] q, exactly the distribution each draft was sampled from.
+        target_probs: [R, L + 1, V] p, the target's processed distribution at each block position.
+    Returns:
+        accepted [R] and next_tokens [R].
+    """
+    num_rows, length = draft_ids.shape
+    device = draft_ids.device
+    verified = torch.arange(length, device=device) < num_drafts[:, None]
+    p_draft = target_probs[:, :length].gather(-1, draft_ids[..., None]).squeeze(-1)
+    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
+    uniform = torch.rand(num_rows, length, device=device, generator=generator)
+    # u < p / q without dividing; q(x) > 0 because x was drawn from q.
+    accepted = ((uniform * q_draft < p_draft) & verified).long().cumprod(dim=-1).sum(dim=-1)
+    p_next = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    rejected = accepted < num_drafts
+    if length:
+        at = accepted.clamp(max=length - 1).view(-1, 1, 1).expand(-1, 1, draft_probs.shape[-1])
+        q_next = torch.where(rejected[:, None], draft_probs.gather(1, at).squeeze(1), 0.0)
+    else:
+        q_next = torch.zeros_like(p_next)
+    residual = (p_next - q_next).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p = q exactly cannot be rejected; guard against a rounding-level residual anyway.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sharing the verification budget (pure functions over [R, g] confidences)
+# ------------------------------------------------------------------------------------------------------------------
+def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Zero the confidences of positions past each request's cap ([R, g], [R]): the schedulers never admit
+    zero-survival entries, so no request is given more drafts than it may verify."""
+    positions = torch.arange(confidences.shape[1], device=confidences.device)
+    return torch.where(positions < caps[:, None].to(confidences.device), confidences.float(), 0.0)
+
+
+def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: torch.Tensor, schedule: str = "prefix",
+                   capacity: int | None = None) -> torch.Tensor:
+    """Verification lengths [R] for one step from the shared budget.
+
+    ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix survival with early stop, SPS of
+    the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity`` entries of highest survival (the
+    capacity must come from earlier steps' confidences). Rows of requests that did not draft carry zeros.
+    """
+    from ..kernels import schedule_lengths
+
+    capped = capped_confidences(confidences, caps)
+    if schedule == "prefix":
+        return schedule_lengths(capped, sps_table.to(capped.device))
+    if schedule == "topk":
+        if capacity is None:
+            raise ValueError("the top-K schedule needs a capacity")
+        return schedule_lengths(capped, capacity=int(capacity))
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Column-aligned ragged caches
+# ------------------------------------------------------------------------------------------------------------------
+class RaggedBatchCache:
+    """The target's ``DynamicCache`` and the drafter's ``DSparkContextCache`` for all active requests, one row per
+    request, column-aligned, with ``valid`` [R, W] marking the columns that hold verified positions.
+
+    Invariant: the valid columns of row r hold the K/V of positions 0..n_r-1 of request r, in order, in both caches
+    (the drafter's from the target features of the same positions). Every other column is a hole (a rejected draft,
+    block padding, or width padding from joining) that attention masks hide.
+    """
+
+    def __init__(self, target_cache: DynamicCache, drafter_cache: DSparkContextCache | None, valid: torch.Tensor):
+        for layer in target_cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"the batched engine serves full-attention targets with a plain DynamicCache; this target's "
+                    f"cache has a {type(layer).__name__} layer (sliding-window or hybrid attention)"
+                )
+        self.target_cache = target_cache
+        self.drafter_cache = drafter_cache
+        self.valid = valid  # bool [R, W]
+
+    @property
+    def num_rows(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.valid.shape[1]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        tensors = [t for layer in self.target_cache.layers for t in (layer.keys, layer.values)]
+        if self.drafter_cache is not None:
+            tensors += self.drafter_cache.keys + self.drafter_cache.values
+        return tensors
+
+    def _assign(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        for layer in self.target_cache.layers:
+            layer.keys, layer.values = next(it), next(it)
+        if self.drafter_cache is not None:
+            n = len(self.drafter_cache.keys)
+            self.drafter_cache.keys = [next(it) for _ in range(n)]
+            self.drafter_cache.values = [next(it) for _ in range(n)]
+
+    def check_aligned(self) -> None:
+        widths = {t.shape[2] for t in self._tensors()}
+        if widths != {self.width}:
+            raise RuntimeError(f"ragged cache out of step: tensor widths {sorted(widths)}, mask width {self.width}")
+
+    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
+        """2D mask [R, W + Q] for a forward that appends Q block columns (``block_valid`` [R, Q])."""
+        return torch.cat([self.valid, block_valid], dim=1)
+
+    def commit(self, kept: torch.Tensor) -> None:
+        """After both caches appended Q block columns: keep the columns marked in ``kept`` [R, Q] (anchor and
+        accepted drafts), and turn the rest into holes."""
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.check_aligned()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (requests leaving the batch drop out)."""
+        self._assign([t.index_select(0, rows) for t in self._tensors()])
+        self.valid = self.valid.index_select(0, rows)
+
+    def append_rows(self, others: Sequence["RaggedBatchCache"]) -> None:
+        """Add the rows of ``others`` (requests joining); narrower parts are padded with holes on the right."""
+        parts = [self, *others]
+        width = max(part.width for part in parts)
+
+        def pad(t: torch.Tensor, w: int) -> torch.Tensor:
+            return F.pad(t, (0, 0, 0, width - w)) if t.dim() == 4 else F.pad(t, (0, width - w))
+
+        columns = zip(*(part._tensors() for part in parts), strict=True)
+        self._assign([torch.cat([pad(t, part.width) for t, part in zip(ts, parts)], dim=0) for ts in columns])
+        self.valid = torch.cat([pad(part.valid, part.width) for part in parts], dim=0)
+
+    def compact(self) -> None:
+        """Squeeze the holes out: each row's valid columns move to the front, in order."""
+        lengths = self.valid.sum(dim=1)
+        width = int(lengths.max())
+        order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :width]  # valid columns first
+        gathered = []
+        for t in self._tensors():
+            index = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
+            gathered.append(t.gather(2, index))
+        self._assign(gathered)
+        self.valid = torch.arange(width, device=self.valid.device) < lengths[:, None]
+
+
+def extend_drafter_context(drafter, cache: DSparkContextCache, target_hidden: torch.Tensor,
+                           positions: torch.Tensor) -> None:
+    """Append context K/V for target features [R, Q, taps * D] at per-row positions [R, Q] (the batched form of
+    ``DSparkDrafter.extend_context``)."""
+    context = drafter.project_context(target_hidden)
+    rope = drafter.rotary_emb(context, positions)
+    for layer in drafter.layers:
+        cache.update(layer.self_attn.layer_idx, *layer.self_attn.key_values(context, *rope))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Requests, events, outputs, statistics
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass
+class TokenEvent:
+    """Streaming: the tokens a request emitted in one step."""
+
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" | "length" when finished
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. Times are seconds on the engine's clock (0 = engine created)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    params: SamplingParams
+    stats: DSparkStats
+    arrival_s: float
+    start_s: float  # joined the batch (prefill started)
+    first_token_s: float
+    finish_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decoding speed seen by this request, from joining the batch to its last token."""
+        elapsed = self.finish_s - self.start_s
+        return len(self.token_ids) / elapsed if elapsed > 0 else 0.0
+
+    def to_dict(self, with_rounds: bool = False) -> dict:
+        out = {
+            "request_id": self.request_id, "prompt_tokens": len(self.prompt_ids), "tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason, "tokens_per_s": self.tokens_per_s,
+            "accepted_length": self.stats.accepted_length, "rounds": self.stats.rounds,
+            "verified": sum(self.stats.verified), "accepted": sum(self.stats.accepted),
+            "arrival_s": self.arrival_s, "start_s": self.start_s, "first_token_s": self.first_token_s,
+            "finish_s": self.finish_s,
+        }
+        if with_rounds:
+            out["token_ids"] = list(self.token_ids)
+            out["stats"] = self.stats.to_dict()
+        return out
+
+
+@dataclass
+class EngineStats:
+    """Per-step records of one engine: active requests, requests that drafted, draft tokens verified (the shared
+    verification budget actually used) and tokens emitted; phase times in seconds."""
+
+    active: list[int] = field(default_factory=list)
+    drafting: list[int] = field(default_factory=list)
+    verify_tokens: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
+    compactions: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.active)
+
+    def summary(self) -> dict:
+        steps = self.steps or 1
+        return {
+            "steps": self.steps,
+            "mean_active_requests": sum(self.active) / steps,
+            "mean_drafting_requests": sum(self.drafting) / steps,
+            "mean_verify_tokens_per_step": sum(self.verify_tokens) / steps,
+            "mean_batch_tokens_per_step": (sum(self.active) + sum(self.verify_tokens)) / steps,
+            "mean_verify_tokens_per_request_step": sum(self.verify_tokens) / max(1, sum(self.active)),
+            "drafting_fraction": sum(self.drafting) / max(1, sum(self.active)),
+            "emitted_tokens": sum(self.emitted),
+            "compactions": self.compactions,
+            "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+        }
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos: frozenset[int]
+    stats: DSparkStats
+    arrival_s: float
+    tokens: list[int] = field(default_factory=list)
+    length: int = 0  # positions in the caches (prompt + emitted tokens, minus the anchor)
+    start_s: float = 0.0
+    first_token_s: float = 0.0
+    finish_reason: str | None = None
+    last_confidences: list[float] | None = None  # from the request's last drafting step
+    idle_steps: int = 0  # consecutive steps without drafting
+
+    @property
+    def anchor(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.tokens)
+
+    def emit(self, new_tokens: list[int]) -> list[int]:
+        """Append tokens, stopping at the first EOS or at max_new_tokens; returns what was appended."""
+        kept = []
+        for token in new_tokens:
+            if self.remaining <= 0:
+                break
+            kept.append(token)
+            self.tokens.append(token)
+            if token in self.eos:
+                self.finish_reason = "eos"
+                return kept
+        if self.remaining <= 0:
+            self.finish_reason = "length"
+        return kept
+
+
+@dataclass
+class _Drafts:
+    rows: list[int]  # batch rows that drafted
+    ids: torch.Tensor  # [D, g]
+    logits: torch.Tensor | None  # [D, g, V] the exact logits each draft was sampled from (sampling rows only)
+    confidences: torch.Tensor | None  # [D, g]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The engine
+# ------------------------------------------------------------------------------------------------------------------
+class DSparkEngine:
+    """Continuous-batching DSpark engine.
+
+    Args:
+        target: a decoder-only transformers model with full attention.
+        drafter: a ``DSparkDrafter`` for it (not needed for ``method="plain"``).
+        method: ``"plain"`` (no drafting: one token per request per step, the baseline), ``"fixed"`` (every request
+            verifies ``num_verify_tokens`` drafts, default the whole block) or ``"scheduled"`` (a shared budget per
+            step from the drafter's confidences and the SPS curve).
+        schedule: ``"prefix"`` (Algorithm 1 over the batch) or ``"topk"`` (dynamic top-K: the capacity comes from the
+            requests' previous confidences, the current step admits the top-K entries).
+        sps: ``hf_dspark.profiling.BatchedStepsPerSecond`` or a ``StepsPerSecond`` used for every batch size; None
+            profiles the target once (cached) at batch sizes 1, 2, 4, .. up to ``max_concurrency`` (default 64).
+        max_concurrency: most requests in the batch at once; more wait and join as others finish.
+        probe_interval: under the scheduler a request whose previous confidences predict a zero budget skips
+            drafting, but drafts again after this many skipped steps to refresh its confidences.
+        max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
+            (padded) tokens.
+        seed: seeds the engine's generator (drafting, acceptance and target sampling).
+    """
+
+    def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
+                 schedule: str = "prefix", sps: Any = None, max_concurrency: int | None = None,
+                 probe_interval: int = 4, max_prefill_tokens: int = 16384, seed: int = 0):
+        method = method or ("scheduled" if drafter is not None else "plain")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+        if getattr(target.config, "is_encoder_decoder", False):
+            raise ValueError("the batched engine serves decoder-only targets")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if num_verify_tokens is not None and num_verify_tokens < 0:
+            raise ValueError(f"num_verify_tokens must be >= 0, got {num_verify_tokens}")
+        if probe_interval < 1:
+            raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        self.target = target
+        self.device = next(target.parameters()).device
+        self.method = method
+        self.drafter = None
+        self.block_size = 0
+        self._taps: list[int] = []  # target hidden_states indices the drafter reads
+        if method != "plain":
+            if drafter is None or not is_dspark_drafter(drafter):
+                raise ValueError(f"method {method!r} needs a DSpark drafter")
+            drafter.attach_target(target)
+            if next(drafter.parameters()).device != self.device:
+                raise ValueError(f"drafter is on {next(drafter.parameters()).device}, target on {self.device}")
+            if method == "scheduled" and drafter.confidence_head is None:
+                raise ValueError("method 'scheduled' needs a drafter with a confidence head; use method='fixed'")
+            self.drafter = drafter
+            self.block_size = drafter.config.block_size
+            self._taps = drafter.target_hidden_states_indices()
+        self.num_verify_tokens = num_verify_tokens
+        self.schedule = schedule
+        self.max_concurrency = max_concurrency
+        self.probe_interval = probe_interval
+        self.max_prefill_tokens = max_prefill_tokens
+        self._sps = sps
+        self._sps_tables: dict[int, torch.Tensor] = {}
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        default_eos = target.generation_config.eos_token_id
+        self._default_eos = frozenset([] if default_eos is None else
+                                      [default_eos] if isinstance(default_eos, int) else list(default_eos))
+        self._clock0 = time.perf_counter()
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request] = []
+        self._cache: RaggedBatchCache | None = None
+        self._ids: set[str] = set()
+        self.outputs: dict[str, RequestOutput] = {}
+        self.stats = EngineStats()
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Requests
+    # --------------------------------------------------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.perf_counter() - self._clock0
+
+    def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue a request (token ids: list, 1D tensor or [1, n] tensor); it joins at the next step with room."""
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+                prompt_ids = prompt_ids[0]
+            if prompt_ids.dim() != 1:
+                raise ValueError(f"a prompt must be one sequence of token ids, got shape {tuple(prompt_ids.shape)}")
+            prompt_ids = prompt_ids.tolist()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("empty prompt: a request needs at least one token")
+        params = params or SamplingParams()
+        request_id = str(len(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._ids:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self._ids.add(request_id)
+        eos = self._default_eos if params.eos_token_id is None else frozenset(
+            [params.eos_token_id] if isinstance(params.eos_token_id, int) else params.eos_token_id)
+        self._waiting.append(_Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
+                                      arrival_s=self._now()))
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._rows)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._rows)
+
+    def stream(self) -> Iterator[TokenEvent]:
+        """Run until every queued request is finished, yielding each step's new tokens per request."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    def run(self) -> list[RequestOutput]:
+        """Run to completion; outputs in the order requests finished."""
+        finished = []
+        for event in self.stream():
+            if event.finished:
+                finished.append(self.outputs[event.request_id])
+        return finished
+
+    def _finish(self, request: _Request) -> None:
+        self.outputs[request.request_id] = RequestOutput(
+            request.request_id, request.prompt_ids, list(request.tokens), request.finish_reason, request.params,
+            request.stats, request.arrival_s, request.start_s, request.first_token_s, self._now(),
+        )
+
+    # --------------------------------------------------------------------------------------------------------------
+    # One step
+    # --------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[TokenEvent]:
+        """Admit waiting requests, then draft, schedule, verify and emit for every active request once."""
+        events = self._admit()
+        if not self._rows:
+            return events
+        rows = self._rows
+        caps = [min(self.block_size, r.remaining - 1) for r in rows]
+
+        t0 = time.perf_counter()
+        capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
+        drafting = self._drafting_rows(caps, capacity)
+        drafts = self._draft(drafting) if drafting else None
+        lengths = self._verification_lengths(caps, drafts, capacity)
+        t1 = time.perf_counter()
+        accepted, next_tokens = self._verify(lengths, drafts)
+        t2 = time.perf_counter()
+
+        keep, emitted = [], 0
+        draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
+        confidences = {} if drafts is None or drafts.confidences is None else dict(
+            zip(drafts.rows, drafts.confidences.tolist()))
+        for i, request in enumerate(rows):
+            drafted = i in draft_ids
+            request.stats.add_round(self.block_size if drafted else 0, lengths[i], accepted[i],
+                                    confidences.get(i))
+            if drafted:
+                request.last_confidences, request.idle_steps = confidences.get(i), 0
+            else:
+                request.idle_steps += 1
+            request.length += accepted[i] + 1
+            new = request.emit(draft_ids.get(i, [])[: accepted[i]] + [next_tokens[i]])
+            emitted += len(new)
+            finished = request.finish_reason is not None
+            events.append(TokenEvent(request.request_id, new, finished, request.finish_reason))
+            if finished:
+                self._finish(request)
+            else:
+                keep.append(i)
+        if len(keep) < len(rows):
+            self._rows = [rows[i] for i in keep]
+            if keep:
+                self._cache.select_rows(torch.tensor(keep, device=self.device))
+            else:
+                self._cache = None
+        longest = max((r.length for r in self._rows), default=0)
+        if self._cache is not None and self._cache.width > longest + max(16, longest // 4):
+            # Holes (rejected drafts) take over a fifth of the width: one gather, cheaper than the per-step appends.
+            self._cache.compact()
+            self.stats.compactions += 1
+        self.stats.active.append(len(rows))
+        self.stats.drafting.append(len(drafting))
+        self.stats.verify_tokens.append(sum(lengths))
+        self.stats.emitted.append(emitted)
+        self.stats.draft_s += t1 - t0
+        self.stats.verify_s += t2 - t1
+        return events
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Joining: prefill the new requests together (right-padded), then append their rows
+    # --------------------------------------------------------------------------------------------------------------
+    def _admit(self) -> list[TokenEvent]:
+        joining = []
+        while self._waiting and (self.max_concurrency is None or len(self._rows) + len(joining) < self.max_concurrency):
+            joining.append(self._waiting.popleft())
+        if not joining:
+            return []
+        started = time.perf_counter()
+        events, parts = [], []
+        for chunk in _chunks(joining, self.max_prefill_tokens):
+            start = self._now()
+            part = self._prefill(chunk)
+            kept = []
+            for i, request in enumerate(chunk):
+                request.start_s, request.first_token_s = start, self._now()
+                finished = request.finish_reason is not None
+                events.append(TokenEvent(request.request_id, list(request.tokens), finished, request.finish_reason))
+                if finished:
+                    self._finish(request)
+                else:
+                    kept.append(i)
+                    self._rows.append(request)
+            if kept:
+                if len(kept) < len(chunk):
+                    part.select_rows(torch.tensor(kept, device=self.device))
+                parts.append(part)
+        if parts:
+            if self._cache is None:
+                self._cache = parts.pop(0)
+            self._cache.append_rows(parts)
+        self.stats.prefill_s += time.perf_counter() - started
+        return events
+
+    def _prefill(self, requests: list[_Request]) -> RaggedBatchCache:
+        """One forward over the prompts, right-padded: a prompt never attends to padding (it comes after it), and the
+        padding columns are holes from the start. Emits each request's first token."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        ids = torch.tensor([r.prompt_ids + r.prompt_ids[-1:] * (width - len(r.prompt_ids)) for r in requests],
+                           device=self.device)
+        valid = torch.arange(width, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
+        positions = torch.arange(width, device=self.device).expand(len(requests), -1)
+        last = torch.tensor(lengths, device=self.device)[:, None] - 1
+        cache = DynamicCache(config=self.target.config)
+        extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
+        out = self.target(input_ids=ids, attention_mask=valid, position_ids=positions, cache=cache, use_cache=True,
+                          logits_to_keep=last, **extra)
+        logits = out.logits[:, -1].float()  # [J, V] at each prompt's last position
+        first = torch.empty(len(requests), dtype=torch.long, device=self.device)
+        for members in _groups([r.params for r in requests]).values():
+            params = requests[members[0]].params
+            sel = torch.tensor(members, device=self.device)
+            if params.do_sample:
+                probs = _processed_probs(logits[sel], params.warpers())
+                first[sel] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+            else:
+                first[sel] = logits[sel].argmax(dim=-1)
+        for request, token in zip(requests, first.tolist()):
+            request.length = len(request.prompt_ids)
+            request.emit([token])
+        drafter_cache = None
+        if self.drafter is not None:
+            drafter_cache = self.drafter.new_context_cache()
+            features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)
+            extend_drafter_context(self.drafter, drafter_cache, features, positions)
+        return RaggedBatchCache(cache, drafter_cache, valid)
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Drafting
+    # --------------------------------------------------------------------------------------------------------------
+    def _sps_table(self, num_requests: int) -> torch.Tensor:
+        """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests."""
+        table = self._sps_tables.get(num_requests)
+        if table is None:
+            if self._sps is None:
+                from ..profiling import load_or_profile_batched
+
+                top = self.max_concurrency or 64
+                sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+                self._sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
+                                                    hidden_state_indices=self._taps)
+            if isinstance(self._sps, StepsPerSecond):
+                table = self._sps.table()
+            else:
+                table = self._sps.table(num_requests, num_requests * (self.block_size + 1))
+            if table.shape[0] <= num_requests:
+                raise ValueError(f"the SPS profile covers {table.shape[0] - 1} batch tokens, fewer than the "
+                                 f"{num_requests} active requests' anchors; profile larger batches")
+            self._sps_tables[num_requests] = table.to(self.device)
+        return self._sps_tables[num_requests]
+
+    def _stale_confidences(self) -> tuple[torch.Tensor, list[bool]]:
+        """Each request's confidences from its last drafting step [R, g] (zeros where unknown), and which are known."""
+        known = [r.last_confidences is not None for r in self._rows]
+        stale = torch.tensor([r.last_confidences if k else [0.0] * self.block_size for r, k in zip(self._rows, known)])
+        return stale.to(self.device), known
+
+    def _topk_capacity(self, caps: list[int]) -> int:
+        """Dynamic top-K capacity from the requests' previous confidences (none from this step); unknown requests
+        count as the known ones' mean, or as fully confident when none is known."""
+        stale, known = self._stale_confidences()
+        known_rows = torch.tensor(known, device=stale.device)
+        prior = stale[known_rows].mean(dim=0) if any(known) else torch.ones_like(stale[0])
+        filled = torch.where(known_rows[:, None], stale, prior)
+        capped = capped_confidences(filled, torch.tensor(caps, device=stale.device))
+        return dynamic_topk_capacity(capped.cpu(), self._sps_table(len(caps)).cpu())
+
+    def _drafting_rows(self, caps: list[int], capacity: int | None) -> list[int]:
+        """Rows that draft this step. Under the scheduler, a request whose earlier confidences predict a zero budget
+        skips drafting (its draft could not be verified); the decision uses no information from this step."""
+        if self.method == "plain" or self.num_verify_tokens == 0:
+            return []
+        candidates = [i for i, cap in enumerate(caps) if cap > 0]
+        if self.method == "fixed" or not candidates:
+            return candidates
+        stale, known = self._stale_confidences()
+        cap_tensor = torch.tensor(caps, device=self.device)
+        predicted = schedule_batch(stale, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
+        return [i for i in candidates if not known[i] or predicted[i] > 0
+                or self._rows[i].idle_steps >= self.probe_interval]
+
+    def _draft(self, rows: list[int]) -> _Drafts:
+        """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
+        context caches, then left-to-right sampling per group of equal sampling parameters."""
+        drafter, g, cache = self.drafter, self.block_size, self._cache
+        index = torch.tensor(rows, device=self.device)
+        context = cache.drafter_cache
+        valid = cache.valid
+        if len(rows) < cache.num_rows:
+            context = DSparkContextCache(len(context.keys))
+            context.keys = [k.index_select(0, index) for k in cache.drafter_cache.keys]
+            context.values = [v.index_select(0, index) for v in cache.drafter_cache.values]
+            valid = valid.index_select(0, index)
+        anchors = torch.tensor([self._rows[i].anchor for i in rows], device=self.device)
+        positions = torch.tensor([self._rows[i].length for i in rows], device=self.device)[:, None] + torch.arange(
+            g, device=self.device)
+        block = torch.full((len(rows), g), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        block[:, 0] = anchors
+        # The block sees its row's valid context columns and the whole block (DSpark's non-causal block).
+        mask = torch.cat([valid, valid.new_ones(len(rows), g)], dim=1)[:, None, None, :].expand(-1, 1, g, -1)
+        out = drafter(input_ids=block, position_ids=positions, cache=context, attention_mask=mask)
+        ids = torch.empty(len(rows), g, dtype=torch.long, device=self.device)
+        logits = confidences = None
+        for key, members in _groups([self._rows[i].params for i in rows]).items():
+            params = self._rows[rows[members[0]]].params
+            sel = torch.tensor(members, device=self.device)
+            draft = drafter.sample_block(out.logits.index_select(0, sel), out.hidden_states.index_select(0, sel),
+                                         anchors.index_select(0, sel), logits_processor=params.warpers(),
+                                         do_sample=params.do_sample, generator=self.generator)
+            ids[sel] = draft.draft_ids
+            if params.do_sample:
+                if logits is None:
+                    logits = draft.draft_logits.new_zeros(len(rows), g, draft.draft_logits.shape[-1])
+                logits[sel] = draft.draft_logits.float()
+            if draft.confidences is not None:
+                if confidences is None:
+                    confidences = draft.confidences.new_zeros(len(rows), g)
+                confidences[sel] = draft.confidences
+        return _Drafts(rows, ids, logits, confidences)
+
+    def _verification_lengths(self, caps: list[int], drafts: _Drafts | None, capacity: int | None) -> list[int]:
+        lengths = [0] * len(caps)
+        if drafts is None:
+            return lengths
+        if self.method == "fixed":
+            for i in drafts.rows:
+                lengths[i] = caps[i] if self.num_verify_tokens is None else min(self.num_verify_tokens, caps[i])
+            return lengths
+        confidences = torch.zeros(len(caps), self.block_size, device=self.device)
+        confidences[torch.tensor(drafts.rows, device=self.device)] = drafts.confidences.float()
+        cap_tensor = torch.tensor(caps, device=self.device)
+        return schedule_batch(confidences, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
+
+    # --------------------------------------------------------------------------------------------------------------
+    # Verification: one padded target forward over every request's block
+    # --------------------------------------------------------------------------------------------------------------
+    def _verify(self, lengths: list[int], drafts: _Drafts | None) -> tuple[list[int], list[int]]:
+        rows, cache, device = self._rows, self._cache, self.device
+        num_rows, width = len(rows), max(lengths) + 1
+        num_drafts = torch.tensor(lengths, device=device)
+        draft_ids = torch.zeros(num_rows, width - 1, dtype=torch.long, device=device)
+        if drafts is not None and width > 1:
+            draft_ids[torch.tensor(drafts.rows, device=device)] = drafts.ids[:, : width - 1]
+        anchors = torch.tensor([r.anchor for r in rows], device=device)
+        block_valid = torch.arange(width, device=device) < (num_drafts + 1)[:, None]  # [R, Q]
+        block = torch.cat([anchors[:, None], draft_ids], dim=1)
+        block = torch.where(block_valid, block, anchors[:, None])  # padding: any real id, masked out
+        positions = torch.tensor([r.length for r in rows], device=device)[:, None] + torch.arange(width, device=device)
+        extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
+        out = self.target(input_ids=block, attention_mask=cache.attention_mask(block_valid), position_ids=positions,
+                          cache=cache.target_cache, use_cache=True, **extra)
+        logits = out.logits.float()  # [R, Q, V]
+
+        accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
+        next_tokens = torch.zeros(num_rows, dtype=torch.long, device=device)
+        draft_row = {} if drafts is None else {r: k for k, r in enumerate(drafts.rows)}
+        for key, members in _groups([r.params for r in rows]).items():
+            params = rows[members[0]].params
+            sel = torch.tensor(members, device=device)
+            if not params.do_sample:
+                a, t = greedy_verify(draft_ids[sel], num_drafts[sel], logits[sel])
+            else:
+                q = logits.new_zeros(len(members), width - 1, logits.shape[-1])
+                drafted = [k for k, i in enumerate(members) if i in draft_row and lengths[i] > 0]
+                if drafted and width > 1:
+                    source = torch.tensor([draft_row[members[k]] for k in drafted], device=device)
+                    q[torch.tensor(drafted, device=device)] = torch.softmax(
+                        drafts.logits.index_select(0, source)[:, : width - 1], dim=-1)
+                p = _processed_probs(logits[sel], params.warpers())
+                a, t = speculative_verify(draft_ids[sel], num_drafts[sel], q, p, self.generator)
+            accepted[sel], next_tokens[sel] = a, t
+
+        if self.drafter is not None:
+            features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)  # [R, Q, taps * D]
+            extend_drafter_context(self.drafter, cache.drafter_cache, features, positions)
+        # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
+        cache.commit(torch.arange(width, device=device) <= accepted[:, None])
+        return accepted.tolist(), next_tokens.tolist()
+
+
+def _chunks(requests: list[_Request], max_tokens: int) -> Iterator[list[_Request]]:
+    """Consecutive groups whose right-padded prompt batch stays within ``max_tokens`` (a long prompt goes alone)."""
+    chunk: list[_Request] = []
+    for request in requests:
+        longest = max([len(r.prompt_ids) for r in chunk] + [len(request.prompt_ids)])
+        if chunk and longest * (len(chunk) + 1) > max_tokens:
+            yield chunk
+            chunk = []
+        chunk.append(request)
+    if chunk:
+        yield chunk
+
+
+def _groups(params: Sequence[SamplingParams]) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.group_key, []).append(i)
+    return groups
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One-call API
+# ------------------------------------------------------------------------------------------------------------------
+@dataclass
+class BatchOutput:
+    """``generate_batch``'s result: per-request outputs (in prompt order) and the engine's step statistics."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats
+    wall_s: float
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _per_request(params, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling parameter sets for {count} prompts")
+    return params
+
+
+def stream_batch(target, prompts: Sequence, drafter=None, params=None, **engine_kwargs) -> Iterator[TokenEvent]:
+    """Serve ``prompts`` (token-id sequences; request ids "0", "1", ...) and yield tokens as they are produced."""
+    engine = DSparkEngine(target, drafter, **engine_kwargs)
+    for prompt, p in zip(prompts, _per_request(params, len(prompts))):
+        engine.add_request(prompt, p)
+    yield from engine.stream()
+
+
+def generate_batch(target, prompts: Sequence, drafter=None, params=None, **engine_kwargs) -> BatchOutput:
+    """Serve ``prompts`` with the batched engine and return every request's output and the step statistics.
+
+    ``params``: one ``SamplingParams`` for all, or one per prompt. ``engine_kwargs`` go to ``DSparkEngine``
+    (``method``, ``num_verify_tokens``, ``schedule``, ``sps``, ``max_concurrency``, ``seed``...).
+    """
+    engine = DSparkEngine(target, drafter, **engine_kwargs)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, _per_request(params, len(prompts)))]
+    started = time.perf_counter()
+    for _ in engine.stream():
+        pass
+    wall = time.perf_counter() - started
+    return BatchOutput([engine.outputs[i] for i in ids], engine.stats, wall)
+
+
+__all__ = [
+    "BatchOutput",
+    "DSparkEngine",
+    "EngineStats",
+    "RaggedBatchCache",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenEvent",
+    "capped_confidences",
+    "extend_drafter_context",
+    "generate_batch",
+    "greedy_verify",
+    "schedule_batch",
+    "speculative_verify",
+    "stream_batch",
+]

@@ -1,0 +1,182 @@
+"""``hf-dspark bench-serve``: replay a prompt set through the batched engine at several concurrencies.
+
+All prompts are queued at once; the engine keeps at most C of them in the batch (a closed loop: a finished request's
+slot goes to the next waiting one). Methods run interleaved per concurrency, so a noisy machine affects each alike:
+
+- ``plain``: the same engine without drafting (one token per request per step), the baseline;
+- ``fixed`` / ``fixed=N``: every request verifies its whole block (or N drafts) each step;
+- ``scheduled`` / ``scheduled=prefix|topk``: a shared budget per step from the drafter's confidences and the
+  profiled SPS(B) curve of the batch's total verification tokens; zero-budget requests skip drafting.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .batching import SCHEDULES, DSparkEngine, SamplingParams
+
+
+def parse_method(spec: str, default_schedule: str = "prefix") -> dict:
+    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
+    keyword arguments."""
+    name, _, value = spec.partition("=")
+    if name == "plain" and not value:
+        return {"method": "plain"}
+    if name == "fixed":
+        if value and not value.isdigit():
+            raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
+        return {"method": "fixed", "num_verify_tokens": int(value) if value else None}
+    if name == "scheduled":
+        schedule = value or default_schedule
+        if schedule not in SCHEDULES:
+            raise ValueError(f"method {spec!r}: schedule must be one of {SCHEDULES}")
+        return {"method": "scheduled", "schedule": schedule}
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=prefix|topk]")
+
+
+def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
+                   seed: int = 0) -> list[tuple[str, list[int]]]:
+    """First turns of ``num_prompts`` records (shuffled with ``seed``), chat-templated: ``[(id, token ids)]``."""
+    records = list(records)
+    random.Random(seed).shuffle(records)
+    selected = records[:num_prompts] if num_prompts else records
+    out = []
+    for record in selected:
+        inputs = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out.append((record["id"], inputs["input_ids"][0].tolist()))
+    return out
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int, engine_kwargs: dict,
+             sps=None, seed: int = 0) -> tuple[dict, list[list[int]]]:
+    """Serve every prompt at ``concurrency``; returns the summary and each request's tokens (prompt order)."""
+    kwargs = dict(engine_kwargs)
+    if kwargs["method"] == "scheduled":
+        kwargs["sps"] = sps
+    engine = DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
+                          seed=seed, **kwargs)
+    ids = [engine.add_request(p, params) for p in prompts]
+    _sync(target)
+    started = time.perf_counter()
+    for _ in engine.stream():
+        pass
+    _sync(target)
+    wall = time.perf_counter() - started
+    outputs = [engine.outputs[i] for i in ids]
+    tokens = sum(len(o.token_ids) for o in outputs)
+    per_request = [o.tokens_per_s for o in outputs]
+    verified = sum(sum(o.stats.verified) for o in outputs)
+    accepted = sum(sum(o.stats.accepted) for o in outputs)
+    rounds = sum(o.stats.rounds for o in outputs)
+    summary = {
+        "concurrency": concurrency,
+        "requests": len(outputs),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "per_request_tokens_per_s": {"mean": statistics.fmean(per_request), "median": statistics.median(per_request),
+                                     "p10": _percentile(per_request, 0.1), "p90": _percentile(per_request, 0.9)},
+        "accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
+        "acceptance_rate": accepted / verified if verified else 0.0,
+        **engine.stats.summary(),
+    }
+    return summary, [o.token_ids for o in outputs]
+
+
+def _sync(model) -> None:
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
+                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
+                schedule: str = "prefix", sps=None, seed: int = 0, warmup: bool = True, log=print) -> dict:
+    """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
+
+    ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
+    (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
+    """
+    if not prompts:
+        raise ValueError("no prompts to replay")
+    if any(c < 1 for c in concurrencies):
+        raise ValueError(f"concurrencies must be >= 1, got {concurrencies}")
+    specs = {m: parse_method(m, schedule) for m in methods}
+    if any(s["method"] != "plain" for s in specs.values()) and drafter is None:
+        raise ValueError("drafting methods need a drafter")
+    greedy = temperature == 0
+    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=not greedy,
+                            temperature=temperature if not greedy else 1.0, top_p=top_p)
+    if sps is None and any(s["method"] == "scheduled" for s in specs.values()):
+        from ..profiling import load_or_profile_batched
+
+        top = max(concurrencies)
+        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | set(concurrencies))
+        log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
+        sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,
+                                      hidden_state_indices=drafter.target_hidden_states_indices())
+    if warmup:
+        for spec in specs.values():
+            run_once(target, drafter, prompts[:2], SamplingParams(max_new_tokens=8), 2, spec, sps, seed)
+    results: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    for concurrency in concurrencies:
+        reference = None
+        for name, spec in specs.items():
+            summary, tokens = run_once(target, drafter, prompts, params, concurrency, spec, sps, seed)
+            if greedy and spec["method"] == "plain":
+                reference = tokens
+            results[name][str(concurrency)] = summary
+            log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
+                f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
+                f"{summary['mean_verify_tokens_per_step']:6.1f} drafts/step  tau {summary['accepted_length']:.2f}")
+            results[name][str(concurrency)]["_tokens"] = tokens
+        for name in methods:
+            tokens = results[name][str(concurrency)].pop("_tokens")
+            if reference is not None:
+                same = sum(a == b for a, b in zip(tokens, reference))
+                results[name][str(concurrency)]["identical_to_plain"] = f"{same}/{len(reference)}"
+    return {"results": results, "sps": None if sps is None else sps.to_dict()}
+
+
+def plot_bench(report: dict, path: str | Path) -> Path:
+    """Aggregate tokens/s, per-request tokens/s and mean verification budget per step vs concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, per_c in report["results"].items():
+        xs = sorted(int(c) for c in per_c)
+        rows = [per_c[str(c)] for c in xs]
+        axes[0].plot(xs, [r["tokens_per_s"] for r in rows], marker="o", label=name)
+        axes[1].plot(xs, [r["per_request_tokens_per_s"]["mean"] for r in rows], marker="o", label=name)
+        axes[2].plot(xs, [r["mean_verify_tokens_per_step"] for r in rows], marker="o", label=name)
+    titles = ["aggregate throughput (tokens/s)", "per-request speed (tokens/s, mean)",
+              "mean verification budget (draft tokens / step)"]
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["bench_serve", "encode_prompts", "parse_method", "plot_bench", "run_once"]

