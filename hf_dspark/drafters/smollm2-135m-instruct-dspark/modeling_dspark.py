@@ -669,6 +669,16 @@ class DSparkDrafter(DSparkPreTrainedModel):
         if self.is_remote_code():
             _write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
 
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Push the complete drafter folder: ``save_pretrained`` plus ``sts.json`` when calibrated and a model card
+        (``hf_dspark.hub.push_drafter``, which takes the card's ``report`` / ``training`` / ``target_name`` too).
+        Without hf-dspark installed this is transformers' plain ``push_to_hub``."""
+        try:
+            from hf_dspark.hub import push_drafter
+        except ImportError:
+            return super().push_to_hub(repo_id, **kwargs)
+        return push_drafter(self, repo_id, **kwargs)
+
 
 def check_target_compatibility(config: DSparkConfig, target_config) -> None:
     """Raise ``ValueError`` naming the mismatch if a drafter cannot serve ``target_config``."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,22 @@ class DSparkStats:
         )
 
 
+@dataclass
+class DSparkRound:
+    """One verification round as seen live by ``drafter.round_callback`` (optional, for observers such as the demo).
+
+    Set ``drafter.round_callback = fn`` before ``generate``; ``fn(round)`` then runs after each round's verification,
+    in the generating thread. It only observes: drafting and verification are the same with or without it.
+    """
+
+    index: int
+    draft_ids: list[int]  # the whole drafted block; [] when nothing fit in the length budget
+    verified: int  # leading drafts the target verified (the policy's choice)
+    accepted: int  # leading verified drafts the target accepted
+    emitted_ids: list[int]  # tokens the round appended: the accepted drafts, then the target's own token
+    confidences: list[float] | None  # c_1..c_g of the block (None: no confidence head, or nothing drafted)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Candidate generator
 # ------------------------------------------------------------------------------------------------------------------
@@ -154,6 +171,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.cache = drafter.new_context_cache()
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
+        self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
         self._pending_round: tuple | None = None
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
@@ -190,7 +208,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if max_drafts <= 0:
             # Only the target's own next token fits; still keep the context complete.
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
-            self._pending_round = (0, 0, None, None)
+            self._pending_round = (0, 0, None, None, None)
             return input_ids, None
         draft = self.drafter.draft(
             input_ids[:, -1],
@@ -206,7 +224,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
         raw = None if draft.confidence_logits is None else draft.confidence_logits[0].tolist()
-        self._pending_round = (self.block_size, verify, None if confidences is None else confidences.tolist(), raw)
+        self._pending_round = (
+            self.block_size, verify, None if confidences is None else confidences.tolist(), raw, draft.draft_ids
+        )
         if verify == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
@@ -216,11 +236,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits = self._pending_round
+        drafted, verified, confidences, confidence_logits, draft_ids = self._pending_round
         accepted = int(num_matches)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits)
         self.policy.observe(verified, accepted)
         self._pending_round = None
+        if self.round_callback is not None:
+            self.round_callback(DSparkRound(
+                index=self.stats.rounds - 1,
+                draft_ids=[] if draft_ids is None else draft_ids[0].tolist(),
+                verified=verified,
+                accepted=accepted,
+                emitted_ids=input_ids[0, input_ids.shape[1] - accepted - 1:].tolist(),
+                confidences=confidences,
+            ))
 
 
 def _profile_target(target, max_batch_tokens: int):
@@ -334,6 +363,7 @@ def generate(model, *args, **kwargs):
 
 __all__ = [
     "DSparkCandidateGenerator",
+    "DSparkRound",
     "DSparkStats",
     "dspark_dispatch",
     "generate",
