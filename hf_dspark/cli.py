@@ -155,6 +155,10 @@ def cmd_bench(args) -> int:
             methods[f"{label}:{policy}"] = settings
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
+    if any(m.get("verification_policy") == "scheduler" for m in methods.values()):
+        from .profiling import load_or_profile
+
+        load_or_profile(target, max(m["drafter"].config.block_size for m in methods.values() if "drafter" in m) + 1)
     report = run_rollouts(target, tokenizer, None, args.prompts, methods, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           multi_turn=not args.first_turn_only)

@@ -47,8 +47,11 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
+    from tqdm.auto import tqdm
+
     started = time.perf_counter()
     raw: dict[int, dict[int, list[float]]] = {b: {} for b in batch_tokens}
+    bar = tqdm(total=len(context_lengths) * len(batch_tokens), desc="profiling SPS(B)", unit="point", leave=False)
     for context in context_lengths:
         ids = torch.randint(0, vocab, (1, context), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
@@ -67,10 +70,12 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
                 if r:
                     times.append(elapsed)
             raw[b][context] = times
+            bar.update()
             if time.perf_counter() - started > time_budget_s and len(raw[batch_tokens[0]]) > 0:
                 break
         if time.perf_counter() - started > time_budget_s:
             break
+    bar.close()
     measured = [b for b in batch_tokens if raw[b]]
     sps = [statistics.median(1.0 / statistics.median(t) for t in raw[b].values()) for b in measured]
     return StepsPerSecond(measured, sps, max(measured)), {str(b): {str(c): t for c, t in v.items()} for b, v in raw.items()}

@@ -66,13 +66,18 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
         kwargs["sps"] = sps
     engine = DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
                           seed=seed, **kwargs)
+    from tqdm.auto import tqdm
+
     ids = [engine.add_request(p, params) for p in prompts]
+    bar = tqdm(total=len(ids), desc=f"{kwargs['method']} c={concurrency}", unit="request", leave=False)
     _sync(target)
     started = time.perf_counter()
-    for _ in engine.stream():
-        pass
+    for event in engine.stream():
+        if event.finished:
+            bar.update()
     _sync(target)
     wall = time.perf_counter() - started
+    bar.close()
     outputs = [engine.outputs[i] for i in ids]
     tokens = sum(len(o.token_ids) for o in outputs)
     per_request = [o.tokens_per_s for o in outputs]
