@@ -35,3 +35,21 @@ def test_load_default(smollm2):
     target, tokenizer, drafter = hf_dspark.load_default()
     assert drafter.embed_tokens is target.get_input_embeddings()
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_main_command_generate(capsys, smollm2):
+    """The README's main job (`hf-dspark generate`) on the embedded default: identical output, JSON summary."""
+    import json
+
+    from hf_dspark.cli import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "--max-new-tokens", "12", "--threads", "1", "--policy", "threshold", "--json"]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the CLI sets the process-wide thread count
+    out = capsys.readouterr().out
+    assert "identical output: True" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["plain"]["tokens"] == summary["dspark"]["tokens"] == 12
+    assert summary["stats"]["rounds"] >= 1
