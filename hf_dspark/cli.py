@@ -575,9 +575,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
                        help="most requests in the batch at once (one run per value)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
-                       help="plain | fixed | fixed=N | scheduled | scheduled=prefix | scheduled=topk")
-    serve.add_argument("--schedule", choices=["prefix", "topk"], default="prefix",
-                       help="budget sharing for 'scheduled': Algorithm 1 or dynamic top-K")
+                       help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk")
+    serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",
+                       help="budget sharing for 'scheduled': Algorithm 1 by width layers (costed as the padded batch), "
+                            "Algorithm 1 over single entries, or dynamic top-K")
     serve.add_argument("--sps", default=None, help="SPS profile JSON (default: profile the target, cached)")
     serve.add_argument("--drafter", default=None, help="drafter folder (default: the embedded drafter)")
     serve.add_argument("--target", default=None)

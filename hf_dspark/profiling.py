@@ -30,6 +30,7 @@ def profile_key(model) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "method": 2,  # round-robin timing + monotone fit; bump when the measurement changes (old caches are ignored)
     }
 
 
@@ -51,16 +52,17 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
 
     started = time.perf_counter()
     raw: dict[int, dict[int, list[float]]] = {b: {} for b in batch_tokens}
-    bar = tqdm(total=len(context_lengths) * len(batch_tokens), desc="profiling SPS(B)", unit="point", leave=False)
+    bar = tqdm(total=len(context_lengths) * (repeats + 1), desc="profiling SPS(B)", unit="round", leave=False)
     for context in context_lengths:
         ids = torch.randint(0, vocab, (1, context), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, cache=cache, use_cache=True)
-        for b in batch_tokens:
-            step_ids = torch.randint(0, vocab, (1, b), generator=generator).to(device)
-            positions = torch.arange(context, context + b, device=device).unsqueeze(0)
-            times = []
-            for r in range(repeats + 1):  # the first run is a warm-up
+        inputs = {b: (torch.randint(0, vocab, (1, b), generator=generator).to(device),
+                      torch.arange(context, context + b, device=device).unsqueeze(0)) for b in batch_tokens}
+        # Round-robin over B (one warm-up round first), so that load drift does not bias particular B.
+        for r in range(repeats + 1):
+            for b in batch_tokens:
+                step_ids, positions = inputs[b]
                 _sync(device)
                 t0 = time.perf_counter()
                 model(input_ids=step_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=b)
@@ -68,17 +70,30 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
                 elapsed = time.perf_counter() - t0
                 cache.crop(-b)
                 if r:
-                    times.append(elapsed)
-            raw[b][context] = times
+                    raw[b].setdefault(context, []).append(elapsed)
             bar.update()
-            if time.perf_counter() - started > time_budget_s and len(raw[batch_tokens[0]]) > 0:
+            if r and time.perf_counter() - started > time_budget_s:
                 break
         if time.perf_counter() - started > time_budget_s:
             break
     bar.close()
     measured = [b for b in batch_tokens if raw[b]]
-    sps = [statistics.median(1.0 / statistics.median(t) for t in raw[b].values()) for b in measured]
+    sps = monotone_decreasing([statistics.median(1.0 / statistics.median(t) for t in raw[b].values())
+                               for b in measured])
     return StepsPerSecond(measured, sps, max(measured)), {str(b): {str(c): t for c, t in v.items()} for b, v in raw.items()}
+
+
+def monotone_decreasing(values: list[float]) -> list[float]:
+    """Least-squares non-increasing fit (pool adjacent violators): more tokens per forward are never faster, so
+    a measured rise is noise; averaging it with its neighbours keeps the curve honest without favouring any point."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(count)]
 
 
 def profile_path(model, folder: Path | None = None) -> Path:
@@ -175,13 +190,17 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     extra = {"output_hidden_states": list(hidden_state_indices)} if hidden_state_indices else {}
     started = time.perf_counter()
-    raw: dict[int, list[float]] = {}
+    raw: dict[int, list[float]] = {q: [] for q in tokens_per_request}
+    inputs = {}
     for q in tokens_per_request:
-        step_ids = torch.randint(0, vocab, (num_requests, q), generator=generator).to(device)
-        positions = torch.arange(context_length, context_length + q, device=device).expand(num_requests, -1)
-        mask = torch.ones(num_requests, context_length + q, dtype=torch.long, device=device)
-        times = []
-        for r in range(repeats + 1):  # the first run is a warm-up
+        inputs[q] = (torch.randint(0, vocab, (num_requests, q), generator=generator).to(device),
+                     torch.arange(context_length, context_length + q, device=device).expand(num_requests, -1),
+                     torch.ones(num_requests, context_length + q, dtype=torch.long, device=device))
+    # Round-robin over q (one warm-up round first): drift in machine load hits every q alike instead of biasing
+    # whichever q was measured during a slow spell.
+    for r in range(repeats + 1):
+        for q in tokens_per_request:
+            step_ids, positions, mask = inputs[q]
             _sync(device)
             t0 = time.perf_counter()
             model(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True, **extra)
@@ -189,13 +208,12 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
             elapsed = time.perf_counter() - t0
             cache.crop(-q)
             if r:
-                times.append(elapsed)
-        raw[q] = times
-        if time.perf_counter() - started > time_budget_s:
+                raw[q].append(elapsed)
+        if r and time.perf_counter() - started > time_budget_s:
             break
-    measured = sorted(raw)
+    measured = sorted(q for q in raw if raw[q])
     batch_tokens = [num_requests * q for q in measured]
-    sps = [1.0 / statistics.median(raw[q]) for q in measured]
+    sps = monotone_decreasing([1.0 / statistics.median(raw[q]) for q in measured])
     return StepsPerSecond(batch_tokens, sps, max(batch_tokens)), {str(q): t for q, t in raw.items()}
 
 

@@ -35,6 +35,7 @@ METHODS = {
     "plain": dict(method="plain"),
     "fixed": dict(method="fixed"),
     "fixed=2": dict(method="fixed", num_verify_tokens=2),
+    "padded": dict(method="scheduled", schedule="padded", sps=DECREASING_SPS),
     "prefix": dict(method="scheduled", schedule="prefix", sps=DECREASING_SPS),
     "topk": dict(method="scheduled", schedule="topk", sps=DECREASING_SPS),
 }
@@ -111,9 +112,11 @@ def test_schedule_batch_caps_and_zero_rows():
     caps = torch.tensor([2, 4, 4])
     flat = FLAT_SPS.table()
     assert schedule_batch(conf, caps, flat, "prefix").tolist() == [2, 0, 4]
+    assert schedule_batch(conf, caps, flat, "padded").tolist() == [2, 0, 4]
     assert schedule_batch(conf, caps, flat, "topk", capacity=3).tolist() == [2, 0, 1]
     steep = PROHIBITIVE_SPS.table(3, 15)
     assert schedule_batch(conf, caps, steep, "prefix").tolist() == [0, 0, 0]
+    assert schedule_batch(conf, caps, steep, "padded").tolist() == [0, 0, 0]
 
 
 def test_batched_sps_table_scales_by_tokens_per_request():
@@ -278,8 +281,8 @@ def test_scheduler_on_and_off(tiny_targets, trained_drafters):
 
 
 def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
-    """When no draft is worth verifying every budget is zero: requests stop drafting (only periodic probes refresh
-    their confidences) and decode exactly like plain greedy."""
+    """When no draft is worth verifying every budget is zero: requests stop drafting (only probes refresh their
+    confidences, ever more rarely: each fruitless one doubles the wait) and decode exactly like plain greedy."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
     probe = 3
@@ -289,8 +292,28 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     for prompt, out in zip(prompts, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, 20)
         drafted_rounds = [k for k, d in enumerate(out.stats.drafted) if d]
-        assert drafted_rounds[0] == 0 and len(drafted_rounds) <= 1 + out.stats.rounds // (probe + 1)
-        assert all(b - a == probe + 1 for a, b in zip(drafted_rounds, drafted_rounds[1:]))
+        gaps = [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])]
+        assert drafted_rounds[0] == 0 and gaps == [probe * 2 ** (k + 1) + 1 for k in range(len(gaps))], gaps
+        assert len(gaps) >= 1
+
+
+def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_drafters):
+    """Verification is free (flat SPS) but the drafter is (made) far too slow: with ``cost_aware`` the requests
+    draft only when a probe is due; without it they draft every step. Outputs equal plain greedy either way."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 4)
+    results = {}
+    for cost_aware in (True, False):
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=4,
+                              cost_aware=cost_aware)
+        engine._draft_cost = {b: 10.0 for b in (1, 2, 4, 8)}  # seconds per drafter step: never worth it
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+        engine.run()
+        for request_id, prompt in zip(ids, prompts):
+            assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 24)
+        results[cost_aware] = sum(engine.stats.drafting) / sum(engine.stats.active)
+    assert results[False] > 0.9
+    assert results[True] < 0.4, results
 
 
 def test_bad_requests_raise(tiny_targets):
@@ -357,12 +380,13 @@ def sample_pairs_batched(target, drafter, prompt, engine_kwargs, seed):
     return counts, {name: a / SAMPLES for name, a in accepted.items()}, engine.stats
 
 
-@pytest.mark.parametrize("method", ["fixed", "prefix"])
+@pytest.mark.parametrize("method", ["fixed", "prefix", "padded"])
 def test_sampling_matches_target_distribution_per_request(sampling_setup, method):
     target, drafter, prompt, exact = sampling_setup
     counts, accepted, stats = sample_pairs_batched(target, drafter, prompt, METHODS[method], seed=11)
-    if method == "prefix":
-        assert 0 < sum(stats.verify_tokens) < sum(stats.drafting) * 2, "the scheduler should verify partial blocks"
+    if method != "fixed":  # every request may verify 3 drafts (4 new tokens); the scheduler verifies fewer
+        bound = 2 if method == "prefix" else 3
+        assert 0 < sum(stats.verify_tokens) < sum(stats.drafting) * bound, "the scheduler should verify partial blocks"
     for name in SAMPLING_GROUPS:
         assert accepted[name] > 0.3, "drafts must be accepted often for the test to exercise verification"
         pvalue = chi_square_pvalue(counts[name], exact[name])
@@ -395,6 +419,8 @@ def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypat
     sps = profiling.load_or_profile_batched(target, [1, 3], 3, folder=tmp_path, context_length=8, repeats=1)
     assert sorted(sps.curves) == [1, 3] and sps.curves[3].batch_tokens == [3, 6, 9]
     assert sps.table(2, 6).shape[0] == 7 and (sps.table(2, 6)[1:] > 0).all()
+    for curve in sps.curves.values():  # measured noise never makes more tokens look faster
+        assert all(a >= b for a, b in zip(curve.steps_per_sec, curve.steps_per_sec[1:]))
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("a cached profile was measured again")
@@ -402,6 +428,15 @@ def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypat
     monkeypatch.setattr(profiling, "measure_batched_steps_per_second", no_measuring)
     again = profiling.load_or_profile_batched(target, [3], 2, folder=tmp_path, context_length=8, repeats=1)
     assert list(again.curves) == [3] and again.curves[3].to_dict() == sps.curves[3].to_dict()
+
+
+def test_monotone_decreasing_fit():
+    from hf_dspark.profiling import monotone_decreasing
+
+    assert monotone_decreasing([5.0, 4.0, 3.0]) == [5.0, 4.0, 3.0]
+    assert monotone_decreasing([5.0, 4.0, 6.0, 3.0]) == [5.0, 5.0, 5.0, 3.0]  # 4 and 6 pooled, then with 5
+    assert monotone_decreasing([23.1, 12.3, 13.2, 11.8]) == pytest.approx([23.1, 12.75, 12.75, 11.8])
+    assert monotone_decreasing([]) == []
 
 
 def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
@@ -451,3 +486,25 @@ def test_smollm2_engine_greedy_equality():
         result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=16), max_concurrency=2,
                                 **kwargs)
         assert [o.token_ids for o in result.outputs] == expected, origin
+
+
+def test_online_survival_correction():
+    from hf_dspark.engine.batching import OnlineSurvivalCorrection
+
+    corr = OnlineSurvivalCorrection(block_size=3, prior=0.0 + 1e-9)
+    conf = torch.tensor([[0.8, 0.5, 0.5], [0.8, 0.5, 0.0]])
+    # survivals: [.8, .4, .2] and [.8, .4, 0]; both verified 2 drafts; one accepted 2, one accepted 0.
+    corr.observe(conf, torch.tensor([2, 2]), torch.tensor([2, 0]))
+    assert corr.predicted.tolist() == pytest.approx([1.6, 0.8, 0.0])
+    assert corr.accepted.tolist() == [1.0, 1.0, 0.0]
+    factors = corr.factors()
+    assert factors[:2].tolist() == pytest.approx([1 / 1.6, 1 / 0.8])
+    corrected = corr.correct(conf)
+    survival = torch.cumprod(corrected, dim=-1)
+    # a1 = .8 / 1.6 = .5; a2 = min(.4 * 1.25, a1) = .5 (non-increasing); position 3 unseen keeps factor ~1 but is
+    # capped by a2; zero stays zero.
+    assert survival[0].tolist() == pytest.approx([0.5, 0.5, 0.2], abs=1e-6)
+    assert survival[1].tolist() == pytest.approx([0.5, 0.5, 0.0], abs=1e-6)
+    assert ((corrected >= 0) & (corrected <= 1)).all()
+    # With the default prior, a fresh correction changes nothing.
+    assert torch.allclose(OnlineSurvivalCorrection(3).correct(conf), conf)

@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from hf_dspark.kernels.scheduler import schedule_triton
-    from hf_dspark.scheduling import StepsPerSecond, prefix_schedule, topk_schedule
+    from hf_dspark.kernels.scheduler import schedule_triton, width_schedule_triton
+    from hf_dspark.scheduling import StepsPerSecond, prefix_schedule, topk_schedule, width_schedule
     g = torch.Generator().manual_seed(0)
     cases = 0
     for num, block in [(1, 1), (1, 7), (3, 4), (5, 7), (8, 3), (4, 15)]:
@@ -30,6 +30,13 @@ SCRIPT = textwrap.dedent(
             assert torch.equal(got, expected), (c, got, expected)
             for capacity in (0, 1, 3, num * block):
                 assert torch.equal(schedule_triton(c, table, capacity), topk_schedule(c, capacity)), capacity
+            # Width layers (padded batches): SPS over B = R * (1 + L), also with a table too short for every layer.
+            widths = [num * (1 + k) for k in range(block + 1)]
+            for top in (len(widths), max(1, len(widths) // 2)):
+                padded = StepsPerSecond(widths[:top], [100.0 / (1 + (0.3 - 0.04 * trial) * k) for k in range(top)])
+                expected = width_schedule(c, padded.table())
+                got = width_schedule_triton(c, padded.table())
+                assert torch.equal(got, expected), (c, got, expected)
             cases += 1
     print("ok", cases)
     """

@@ -12,6 +12,7 @@ from hf_dspark.scheduling import (
     dynamic_topk_capacity,
     prefix_schedule,
     topk_schedule,
+    width_schedule,
 )
 
 
@@ -147,3 +148,118 @@ def test_policy_single_request():
     assert policy.num_to_verify(torch.tensor([0.9, 0.8, 0.5]), 1) == 1
     with pytest.raises(ValueError, match="SPS profile"):
         PrefixSchedulerPolicy().num_to_verify(torch.tensor([0.9]), 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Width layers: Algorithm 1 for the engine's padded batch (cost R * (1 + longest length))
+# --------------------------------------------------------------------------------------------------------------
+def reference_width_schedule(confidences: list[list[float]], sps, early_stop: bool = True) -> list[int]:
+    """The width-layer search written as a plain loop (the test's independent reference)."""
+    num = len(confidences)
+    survival = [[] for _ in range(num)]
+    for r, row in enumerate(confidences):
+        a = 1.0
+        for c in row:
+            a *= c
+            survival[r].append(a)
+    best, best_width, tau = num * sps(num), 0, float(num)
+    for width in range(1, len(confidences[0]) + 1):
+        if num * (1 + width) > sps.max_batch_tokens:
+            break
+        gain = sum(row[width - 1] for row in survival)
+        tau += gain
+        theta = tau * sps(num * (1 + width))
+        if gain > 0 and theta > best:
+            best, best_width = theta, width
+        elif early_stop:
+            break
+    return [sum(1 for a in row[:best_width] if a > 0) for row in survival]
+
+
+def test_width_schedule_hand_case():
+    # B = R * (1 + L) with R = 2: SPS(2) = 10, SPS(4) = 8, SPS(6) = 5.
+    sps = StepsPerSecond([2, 4, 6], [10.0, 8.0, 5.0])
+    conf = torch.tensor([[0.9, 0.5], [0.6, 0.0]])
+    # layer 1: tau = 2 + 0.9 + 0.6 = 3.5, 3.5 * 8 = 28 > 2 * 10 -> admitted;
+    # layer 2: tau = 3.5 + 0.45 = 3.95, 3.95 * 5 = 19.75 < 28 -> stop. Request 1 has zero survival at position 2.
+    assert width_schedule(conf, sps.table()).tolist() == [1, 1]
+    # A layer that does not pay stops the search even if a later one would (the lossless early stop).
+    steep_then_flat = StepsPerSecond([2, 4, 6], [10.0, 5.5, 5.5])
+    assert width_schedule(torch.tensor([[0.5, 1.0], [0.5, 1.0]]), steep_then_flat.table()).tolist() == [0, 0]
+    assert reference_width_schedule([[0.5, 1.0], [0.5, 1.0]], steep_then_flat, early_stop=False) == [2, 2]
+
+
+def test_width_schedule_matches_reference_and_algorithm1_for_one_request():
+    rng = random.Random(3)
+    for _ in range(300):
+        num, g = rng.randint(1, 5), rng.randint(1, 6)
+        conf = [[rng.choice([0.0, 1.0, rng.random()]) for _ in range(g)] for _ in range(num)]
+        points = sorted(rng.sample(range(1, num * (g + 1) + 1), k=min(4, num * (g + 1))))
+        sps = StepsPerSecond(points, sorted((rng.uniform(1, 100) for _ in points), reverse=True))
+        got = width_schedule(torch.tensor(conf), sps.table()).tolist()
+        assert got == reference_width_schedule(conf, sps), (conf, sps.to_dict(), got)
+        for r, length in enumerate(got):  # zero-survival entries never admitted; a common width for all rows
+            assert all(c > 0 for c in conf[r][:length])
+        if num == 1:
+            assert got == prefix_schedule(torch.tensor(conf), sps.table()).tolist()
+
+
+def test_width_schedule_appendix_a_in_a_batch():
+    """Appendix A with a second (non-drafting) request in the padded batch: a full search over widths biases the
+    first request's first token toward (0.85, 0.15); the shipped early-stop search keeps it exact (0.7, 0.3)."""
+    sps = StepsPerSecond([2, 4, 6], [1.0, 0.7, 0.6])  # 2.8 * 0.7 < 2 * 1.0, but 3.52 * 0.6 > 2 * 1.0
+    full = lambda conf: reference_width_schedule(conf + [[0.0, 0.0]], sps, early_stop=False)[0]  # noqa: E731
+    shipped = lambda conf: int(width_schedule(torch.tensor(conf + [[0.0, 0.0]]), sps.table())[0])  # noqa: E731
+    biased = first_token_distribution(full)
+    assert biased["A"] == pytest.approx(0.85) and biased["B"] == pytest.approx(0.15)
+    exact = first_token_distribution(shipped)
+    assert exact["A"] == pytest.approx(0.7) and exact["B"] == pytest.approx(0.3)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# R = 1 policy: skipping drafts that cannot pay, and the online survival correction
+# --------------------------------------------------------------------------------------------------------------
+def test_policy_skips_drafting_and_probes_with_backoff():
+    steep = StepsPerSecond([1, 2, 8], [100.0, 1.0, 0.1])  # nothing is ever worth verifying
+    policy = PrefixSchedulerPolicy(steep, online_correction=False, probe_interval=2, max_probe_interval=8)
+    pattern = []
+    for _ in range(40):
+        drafted = policy.should_draft(3)
+        pattern.append(int(drafted))
+        if drafted:
+            assert policy.num_to_verify(torch.tensor([0.9, 0.9, 0.9]), 3) == 0
+        policy.observe(0, 0)
+    rounds = [i for i, x in enumerate(pattern) if x]
+    gaps = [b - a for a, b in zip(rounds, rounds[1:])]
+    assert pattern[0] == 1 and gaps[:4] == [5, 9, 9, 9], pattern  # waits 4, 8, 8, 8 (doubled from 2, capped at 8)
+    # Without skipping it drafts every round.
+    always = PrefixSchedulerPolicy(steep, skip_drafting=False)
+    assert all(always.should_draft(3) for _ in range(5))
+
+
+def test_policy_skips_drafting_when_the_drafter_costs_too_much():
+    flat = StepsPerSecond([1, 8], [100.0, 100.0])
+    policy = PrefixSchedulerPolicy(flat, online_correction=False, probe_interval=3)
+    assert policy.num_to_verify(torch.tensor([0.5, 0.5]), 2) == 2
+    policy.observe(2, 1)
+    assert policy.should_draft(2, draft_seconds=0.001)  # (1 + .75) / (.01 + .001) > 100
+    assert not policy.should_draft(2, draft_seconds=0.1)  # (1 + .75) / (.01 + .1) < 100
+    for _ in range(3):
+        policy.observe(0, 0)  # skipped rounds
+    assert policy.should_draft(2, draft_seconds=0.1)  # a probe is due
+
+
+def test_policy_online_correction_learns_overconfidence():
+    sps = StepsPerSecond([1, 2, 3], [10.0, 8.0, 6.0])
+    policy = PrefixSchedulerPolicy(sps, skip_drafting=False)
+    conf = torch.tensor([0.6, 0.2])
+    assert policy.num_to_verify(conf, 2) == 1  # (1 + .6) * 8 = 12.8 > 10
+    for _ in range(40):  # verified one draft each time, never accepted
+        policy.num_to_verify(conf, 2)
+        policy.observe(1, 0)
+    assert policy.num_to_verify(conf, 2) == 0  # the learnt factor pulls a_1 below the break-even 0.25
+    plain = PrefixSchedulerPolicy(sps, online_correction=False, skip_drafting=False)
+    for _ in range(40):
+        plain.num_to_verify(conf, 2)
+        plain.observe(1, 0)
+    assert plain.num_to_verify(conf, 2) == 1

@@ -4,8 +4,10 @@ transformers' assisted generation serves one sequence at a time; here every step
 
 1. admits waiting requests (continuous batching: they are prefilled together and join the batch as new rows),
 2. drafts a block for the requests that will be verified (``DSparkDrafter`` forward + ``sample_block``, batched),
-3. picks a verification length per request from a shared budget (fixed, or the prefix scheduler / dynamic top-K
-   over the profiled SPS(B) curve of the TOTAL verification tokens B of the batch),
+3. picks a verification length per request from a shared budget (fixed, or the scheduler over the profiled SPS(B)
+   curve of the batch's verification tokens B: Algorithm 1 by width layers for the padded batch (the default),
+   Algorithm 1 over single entries, or dynamic top-K); requests whose drafts are not expected to pay for the
+   drafter's forward skip drafting,
 4. verifies every request's ragged block ``[anchor, drafts...]`` in ONE padded target forward,
 5. accepts per request (greedy matching or speculative sampling, with that request's own sampling parameters),
    streams the new tokens, and retires finished requests (EOS or max length) so others can join.
@@ -48,10 +50,10 @@ from transformers.cache_utils import DynamicLayer
 
 from ..generation import DSparkStats, is_dspark_drafter
 from ..modeling_dspark import DSparkContextCache
-from ..scheduling import StepsPerSecond, dynamic_topk_capacity
+from ..scheduling import OnlineSurvivalCorrection, StepsPerSecond, dynamic_topk_capacity
 
 METHODS = ("plain", "fixed", "scheduled")
-SCHEDULES = ("prefix", "topk")
+SCHEDULES = ("padded", "prefix", "topk")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -183,13 +185,17 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
                    capacity: int | None = None) -> torch.Tensor:
     """Verification lengths [R] for one step from the shared budget.
 
-    ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix survival with early stop, SPS of
-    the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity`` entries of highest survival (the
-    capacity must come from earlier steps' confidences). Rows of requests that did not draft carry zeros.
+    ``padded``: Algorithm 1 by width layers (``scheduling.width_schedule``), the cost of the engine's padded batch
+    B = R * (1 + max length). ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix
+    survival with early stop, SPS of the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity``
+    entries of highest survival (the capacity must come from earlier steps' confidences). Rows of requests that did
+    not draft carry zeros.
     """
     from ..kernels import schedule_lengths
 
     capped = capped_confidences(confidences, caps)
+    if schedule == "padded":
+        return schedule_lengths(capped, sps_table.to(capped.device), padded=True)
     if schedule == "prefix":
         return schedule_lengths(capped, sps_table.to(capped.device))
     if schedule == "topk":
@@ -357,6 +363,8 @@ class EngineStats:
     active: list[int] = field(default_factory=list)
     drafting: list[int] = field(default_factory=list)
     verify_tokens: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)  # padded block width (1 + longest verification) per step
+    survival_correction: list[float] = field(default_factory=list)  # online factors per position (scheduler)
     emitted: list[int] = field(default_factory=list)
     compactions: int = 0
     prefill_s: float = 0.0
@@ -375,11 +383,13 @@ class EngineStats:
             "mean_drafting_requests": sum(self.drafting) / steps,
             "mean_verify_tokens_per_step": sum(self.verify_tokens) / steps,
             "mean_batch_tokens_per_step": (sum(self.active) + sum(self.verify_tokens)) / steps,
+            "mean_padded_tokens_per_step": sum(a * w for a, w in zip(self.active, self.widths)) / steps,
             "mean_verify_tokens_per_request_step": sum(self.verify_tokens) / max(1, sum(self.active)),
             "drafting_fraction": sum(self.drafting) / max(1, sum(self.active)),
             "emitted_tokens": sum(self.emitted),
             "compactions": self.compactions,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
+            "survival_correction": list(self.survival_correction),
         }
 
 
@@ -398,6 +408,7 @@ class _Request:
     finish_reason: str | None = None
     last_confidences: list[float] | None = None  # from the request's last drafting step
     idle_steps: int = 0  # consecutive steps without drafting
+    probe_wait: int = 0  # idle steps before the next probe (doubles after each probe that verified nothing)
 
     @property
     def anchor(self) -> int:
@@ -443,21 +454,32 @@ class DSparkEngine:
         method: ``"plain"`` (no drafting: one token per request per step, the baseline), ``"fixed"`` (every request
             verifies ``num_verify_tokens`` drafts, default the whole block) or ``"scheduled"`` (a shared budget per
             step from the drafter's confidences and the SPS curve).
-        schedule: ``"prefix"`` (Algorithm 1 over the batch) or ``"topk"`` (dynamic top-K: the capacity comes from the
+        schedule: ``"padded"`` (the default: Algorithm 1 by width layers, for the padded batch this engine runs, whose
+            cost is R * (1 + longest verification) tokens), ``"prefix"`` (Algorithm 1 over single entries, costed as
+            if the batch were packed: R + sum of lengths) or ``"topk"`` (dynamic top-K: the capacity comes from the
             requests' previous confidences, the current step admits the top-K entries).
         sps: ``hf_dspark.profiling.BatchedStepsPerSecond`` or a ``StepsPerSecond`` used for every batch size; None
             profiles the target once (cached) at batch sizes 1, 2, 4, .. up to ``max_concurrency`` (default 64).
         max_concurrency: most requests in the batch at once; more wait and join as others finish.
         probe_interval: under the scheduler a request whose previous confidences predict a zero budget skips
-            drafting, but drafts again after this many skipped steps to refresh its confidences.
+            drafting, but drafts again after this many skipped steps to refresh its confidences; each probe that
+            ends with nothing verified doubles the wait, up to ``max_probe_interval``.
+        cost_aware: under the scheduler, skip drafting in a step when the drafts its requests' previous confidences
+            predict would not pay for the drafter's forward (measured as the engine runs): the expected
+            ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``.
+        online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
+            actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
+            calibration set.
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
     """
 
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
-                 schedule: str = "prefix", sps: Any = None, max_concurrency: int | None = None,
-                 probe_interval: int = 4, max_prefill_tokens: int = 16384, seed: int = 0):
+                 schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
+                 probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
+                 online_correction: bool = True,
+                 max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -471,6 +493,8 @@ class DSparkEngine:
             raise ValueError(f"num_verify_tokens must be >= 0, got {num_verify_tokens}")
         if probe_interval < 1:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+        if max_probe_interval < probe_interval:
+            raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
         self.target = target
         self.device = next(target.parameters()).device
         self.method = method
@@ -492,6 +516,11 @@ class DSparkEngine:
         self.schedule = schedule
         self.max_concurrency = max_concurrency
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.cost_aware = cost_aware
+        self.correction = (OnlineSurvivalCorrection(self.block_size)
+                           if online_correction and method == "scheduled" else None)
+        self._draft_cost: dict[int, float] = {}  # seconds per drafter step, by number of drafting rows (power of 2)
         self.max_prefill_tokens = max_prefill_tokens
         self._sps = sps
         self._sps_tables: dict[int, torch.Tensor] = {}
@@ -532,7 +561,7 @@ class DSparkEngine:
         eos = self._default_eos if params.eos_token_id is None else frozenset(
             [params.eos_token_id] if isinstance(params.eos_token_id, int) else params.eos_token_id)
         self._waiting.append(_Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
-                                      arrival_s=self._now()))
+                                      arrival_s=self._now(), probe_wait=self.probe_interval))
         return request_id
 
     def has_unfinished(self) -> bool:
@@ -576,7 +605,14 @@ class DSparkEngine:
         t0 = time.perf_counter()
         capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
         drafting = self._drafting_rows(caps, capacity)
-        drafts = self._draft(drafting) if drafting else None
+        drafts = None
+        if drafting:
+            started = time.perf_counter()
+            drafts = self._draft(drafting)
+            bucket = _bucket(len(drafting))
+            seconds = time.perf_counter() - started
+            previous = self._draft_cost.get(bucket)
+            self._draft_cost[bucket] = seconds if previous is None else 0.7 * previous + 0.3 * seconds
         lengths = self._verification_lengths(caps, drafts, capacity)
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
@@ -592,6 +628,9 @@ class DSparkEngine:
                                     confidences.get(i))
             if drafted:
                 request.last_confidences, request.idle_steps = confidences.get(i), 0
+                # Back off while drafting verifies nothing (a probe that did not pay); reset once drafts are used.
+                request.probe_wait = (self.probe_interval if lengths[i] > 0
+                                      else min(2 * request.probe_wait, self.max_probe_interval))
             else:
                 request.idle_steps += 1
             request.length += accepted[i] + 1
@@ -617,6 +656,12 @@ class DSparkEngine:
         self.stats.active.append(len(rows))
         self.stats.drafting.append(len(drafting))
         self.stats.verify_tokens.append(sum(lengths))
+        self.stats.widths.append(1 + max(lengths))
+        if self.correction is not None and drafts is not None and drafts.confidences is not None:
+            index = torch.tensor(drafts.rows)  # raw survivals: the factors map the drafter's own to the observed
+            self.correction.observe(capped_confidences(drafts.confidences.cpu(), torch.tensor(caps)[index]),
+                                    torch.tensor(lengths)[index], torch.tensor(accepted)[index])
+            self.stats.survival_correction = self.correction.factors().tolist()
         self.stats.emitted.append(emitted)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
@@ -633,7 +678,8 @@ class DSparkEngine:
             return []
         started = time.perf_counter()
         events, parts = [], []
-        for chunk in _chunks(joining, self.max_prefill_tokens):
+        # Shortest prompts first: chunks of similar lengths waste little on right-padding.
+        for chunk in _chunks(sorted(joining, key=lambda r: len(r.prompt_ids)), self.max_prefill_tokens):
             start = self._now()
             part = self._prefill(chunk)
             kept = []
@@ -719,6 +765,8 @@ class DSparkEngine:
         """Each request's confidences from its last drafting step [R, g] (zeros where unknown), and which are known."""
         known = [r.last_confidences is not None for r in self._rows]
         stale = torch.tensor([r.last_confidences if k else [0.0] * self.block_size for r, k in zip(self._rows, known)])
+        if self.correction is not None:
+            stale = self.correction.correct(stale)
         return stale.to(self.device), known
 
     def _topk_capacity(self, caps: list[int]) -> int:
@@ -733,7 +781,10 @@ class DSparkEngine:
 
     def _drafting_rows(self, caps: list[int], capacity: int | None) -> list[int]:
         """Rows that draft this step. Under the scheduler, a request whose earlier confidences predict a zero budget
-        skips drafting (its draft could not be verified); the decision uses no information from this step."""
+        skips drafting (its draft could not be verified) until its next probe; and with ``cost_aware`` the requests
+        predicted to verify drafts skip drafting too when the predicted gain does not cover the drafter's measured
+        cost (until one of them is due for a probe, which also refreshes the cost). The decision uses no
+        information from this step's drafts, so it cannot bias the output."""
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
@@ -741,9 +792,31 @@ class DSparkEngine:
             return candidates
         stale, known = self._stale_confidences()
         cap_tensor = torch.tensor(caps, device=self.device)
-        predicted = schedule_batch(stale, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
-        return [i for i in candidates if not known[i] or predicted[i] > 0
-                or self._rows[i].idle_steps >= self.probe_interval]
+        table = self._sps_table(len(caps))
+        predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
+        lengths = predicted.tolist()
+        worth = [i for i in candidates if known[i] and lengths[i] > 0]
+        due = [i for i in candidates  # new requests, and probes of requests skipped for a while
+               if not known[i] or self._rows[i].idle_steps >= self._rows[i].probe_wait]
+        if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
+            return []
+        return sorted(set(worth) | set(due))
+
+    def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int) -> bool:
+        """Whether drafting ``rows`` requests is expected to beat plain decoding this step, from the stale
+        prediction (``predicted`` lengths, survivals of ``stale`` confidences) and the drafter's measured cost."""
+        cost = self._draft_cost.get(_bucket(rows))
+        if cost is None:
+            return True  # not measured yet: draft, and measure
+        num_requests = stale.shape[0]
+        survival = torch.cumprod(stale.float().clamp(0, 1), dim=-1)
+        admitted = torch.arange(stale.shape[1], device=stale.device) < predicted[:, None].to(stale.device)
+        gain = float((survival * admitted).sum())
+        longest = int(predicted.max())
+        batch = num_requests * (1 + longest) if self.schedule == "padded" else num_requests + int(predicted.sum())
+        batch = min(batch, table.shape[0] - 1)
+        drafting = (num_requests + gain) / (1.0 / float(table[batch]) + cost)
+        return drafting > num_requests * float(table[num_requests])
 
     def _draft(self, rows: list[int]) -> _Drafts:
         """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
@@ -793,7 +866,10 @@ class DSparkEngine:
                 lengths[i] = caps[i] if self.num_verify_tokens is None else min(self.num_verify_tokens, caps[i])
             return lengths
         confidences = torch.zeros(len(caps), self.block_size, device=self.device)
-        confidences[torch.tensor(drafts.rows, device=self.device)] = drafts.confidences.float()
+        current = drafts.confidences.float()
+        if self.correction is not None:
+            current = self.correction.correct(current)
+        confidences[torch.tensor(drafts.rows, device=self.device)] = current.to(self.device)
         cap_tensor = torch.tensor(caps, device=self.device)
         return schedule_batch(confidences, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
 
@@ -842,6 +918,11 @@ class DSparkEngine:
         # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()
+
+
+def _bucket(rows: int) -> int:
+    """Power-of-two bucket of a number of drafting rows (the drafter's cost is tracked per bucket)."""
+    return 1 << max(0, (rows - 1).bit_length())
 
 
 def _chunks(requests: list[_Request], max_tokens: int) -> Iterator[list[_Request]]:

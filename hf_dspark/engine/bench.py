@@ -21,7 +21,7 @@ import torch
 from .batching import SCHEDULES, DSparkEngine, SamplingParams
 
 
-def parse_method(spec: str, default_schedule: str = "prefix") -> dict:
+def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
     keyword arguments."""
     name, _, value = spec.partition("=")
@@ -36,7 +36,7 @@ def parse_method(spec: str, default_schedule: str = "prefix") -> dict:
         if schedule not in SCHEDULES:
             raise ValueError(f"method {spec!r}: schedule must be one of {SCHEDULES}")
         return {"method": "scheduled", "schedule": schedule}
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=prefix|topk]")
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk]")
 
 
 def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
@@ -107,7 +107,7 @@ def _sync(model) -> None:
 
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
-                schedule: str = "prefix", sps=None, seed: int = 0, warmup: bool = True, log=print) -> dict:
+                schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
     ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target

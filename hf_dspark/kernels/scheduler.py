@@ -2,14 +2,16 @@
 
 One program handles the whole batch (R requests x g positions, padded to powers of two), which is the size the
 scheduler sees each step (R * g is at most a few thousand). Twin of ``scheduling.prefix_schedule`` (early stop,
-the lossless default) and ``scheduling.topk_schedule`` (fixed capacity, no early stop).
+the lossless default) and ``scheduling.topk_schedule`` (fixed capacity, no early stop). A second kernel is the twin
+of ``scheduling.width_schedule`` (Algorithm 1 by width layers, for padded batches): cumprod -> column sums ->
+cumsum -> admission.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..scheduling import prefix_schedule, topk_schedule
+from ..scheduling import prefix_schedule, topk_schedule, width_schedule
 
 try:
     import triton
@@ -66,6 +68,32 @@ if _HAVE_TRITON:
         tl.store(out_ptr + rows, lengths.to(tl.int64), mask=rows < num_requests)
 
 
+    @triton.jit
+    def _width_schedule_kernel(
+        conf_ptr, sps_ptr, out_ptr, num_requests, block_size, layers,
+        R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
+    ):
+        rows = tl.arange(0, R_BLOCK)
+        cols = tl.arange(0, G_BLOCK)
+        valid = (rows[:, None] < num_requests) & (cols[None, :] < block_size)
+        conf = tl.load(conf_ptr + rows[:, None] * block_size + cols[None, :], mask=valid, other=0.0)
+        conf = tl.minimum(tl.maximum(conf, 0.0), 1.0)
+        survival = tl.where(valid, tl.cumprod(conf, axis=1), 0.0)  # prefix survival a_{r,j}
+        gain = tl.sum(survival, axis=0)  # [G] survival mass of each width layer
+        tau = num_requests + tl.cumsum(gain, axis=0)
+        in_budget = cols < layers
+        width = (cols + 2) * num_requests
+        sps = tl.load(sps_ptr + width, mask=in_budget, other=0.0)
+        sps_prev = tl.load(sps_ptr + width - num_requests, mask=in_budget, other=0.0)
+        theta = tau * sps
+        theta_prev = (tau - gain) * sps_prev
+        improving = (theta > theta_prev) & (gain > 0) & in_budget
+        failures = tl.cumsum(1 - improving.to(tl.int32), axis=0)
+        admitted = tl.sum((failures == 0).to(tl.int32), axis=0)
+        lengths = tl.sum(((survival > 0) & (cols[None, :] < admitted)).to(tl.int32), axis=1)
+        tl.store(out_ptr + rows, lengths.to(tl.int64), mask=rows < num_requests)
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -88,15 +116,42 @@ def schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor, capacity
     return out
 
 
+def width_schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor) -> torch.Tensor:
+    """Triton twin of ``scheduling.width_schedule``. Returns [R] lengths."""
+    if not _HAVE_TRITON:
+        raise RuntimeError("triton is not installed")
+    conf = confidences.contiguous().float()
+    num_requests, g = conf.shape
+    max_batch = sps_table.shape[0] - 1
+    if num_requests > max_batch:
+        raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_batch}")
+    out = torch.zeros(num_requests, dtype=torch.long, device=conf.device)
+    layers = max(0, min(g, max_batch // num_requests - 1))
+    r_block, g_block = max(2, _next_pow2(num_requests)), max(2, _next_pow2(g))
+    _width_schedule_kernel[(1,)](conf, sps_table.contiguous().float().to(conf.device), out, num_requests, g, layers,
+                                 R_BLOCK=r_block, G_BLOCK=g_block)
+    return out
+
+
 def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None = None, capacity: int | None = None,
-                     backend: str = "auto") -> torch.Tensor:
-    """Verification lengths for R requests: Triton on CUDA (``backend="auto"``), torch elsewhere."""
+                     backend: str = "auto", padded: bool = False) -> torch.Tensor:
+    """Verification lengths for R requests: Triton on CUDA (``backend="auto"``), torch elsewhere.
+
+    ``capacity``: top-K admission; else Algorithm 1 over single entries, or by width layers with ``padded=True``
+    (``scheduling.width_schedule``: the cost of a padded batch).
+    """
+    if capacity is None and sps_table is None:
+        raise ValueError("Algorithm 1 needs an SPS table")
+    if capacity is not None and padded:
+        raise ValueError("padded (width-layer) scheduling takes an SPS table, not a capacity")
     use_triton = backend == "triton" or (backend == "auto" and _HAVE_TRITON and confidences.is_cuda)
     if use_triton:
-        if capacity is None and sps_table is None:
-            raise ValueError("Algorithm 1 needs an SPS table")
+        if padded:
+            return width_schedule_triton(confidences, sps_table)
         table = sps_table if sps_table is not None else torch.zeros(confidences.numel() + confidences.shape[0] + 1)
         return schedule_triton(confidences, table, capacity)
     if capacity is not None:
         return topk_schedule(confidences, capacity)
+    if padded:
+        return width_schedule(confidences, sps_table)
     return prefix_schedule(confidences, sps_table)

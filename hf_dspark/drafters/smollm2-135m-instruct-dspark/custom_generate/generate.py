@@ -19,6 +19,7 @@ This file is self-contained (torch + transformers + ``scheduling``), because exp
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -173,6 +174,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drafter.last_stats = self.stats
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
         self._pending_round: tuple | None = None
+        self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
@@ -210,6 +212,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
             self._pending_round = (0, 0, None, None, None)
             return input_ids, None
+        if not self.policy.should_draft(max_drafts, self._draft_seconds):
+            # The policy expects no draft worth its cost this round: the target decodes alone (context kept whole).
+            self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+            self._pending_round = (0, 0, None, None, None)
+            return input_ids, None
+        started = time.perf_counter()
         draft = self.drafter.draft(
             input_ids[:, -1],
             anchor_position,
@@ -219,6 +227,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             logits_processor=self.logits_processor,
             do_sample=self.do_sample,
         )
+        seconds = time.perf_counter() - started
+        self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
         confidences = None if draft.confidences is None else draft.confidences[0]
         verify = int(self.policy.num_to_verify(confidences, max_drafts))
         if not 0 <= verify <= max_drafts:

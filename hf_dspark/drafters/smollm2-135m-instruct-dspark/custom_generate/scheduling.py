@@ -54,6 +54,11 @@ class VerificationPolicy:
     def observe(self, verified: int, accepted: int) -> None:
         """Feedback after verification (for adaptive policies); the default ignores it."""
 
+    def should_draft(self, max_drafts: int, draft_seconds: float | None = None) -> bool:
+        """Whether to draft this round at all (False: the target decodes one token alone). Called BEFORE drafting,
+        so it may use only earlier rounds (``draft_seconds``: the drafter's measured time per round, if known)."""
+        return True
+
 
 @register_verification_policy("fixed")
 class FixedLengthPolicy(VerificationPolicy):
@@ -198,6 +203,47 @@ def prefix_schedule(confidences: torch.Tensor, sps_table: torch.Tensor) -> torch
     return lengths
 
 
+def width_schedule(confidences: torch.Tensor, sps_table: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1 for a PADDED batch (lossless): verification lengths for R requests.
+
+    The engine verifies R requests as one [R, 1 + L] block, so a step's cost depends on the longest verification
+    length L, not on the sum of the lengths: every request may verify its drafts up to position L for free once
+    one request does. Admission therefore goes by draft position ("width layers") instead of by single entries:
+    layer L (every request's entry at position L) is admitted while
+    ``(R + sum_{r, j <= L} a_{r,j}) * SPS(R * (1 + L))`` strictly improves, and the first non-improvement stops the
+    search. The decision to verify position L of a request depends only on survivals ``a_{., <= L}``, which do not
+    depend on the draft token at position L, so the early stop keeps the output distribution exact as in
+    Algorithm 1. Entries of zero survival are never admitted; with R = 1 this is Algorithm 1 exactly.
+
+    Args:
+        confidences: [R, g] conditional confidences c_{r,k} (zeros for requests that did not draft).
+        sps_table: [Bmax + 1] SPS over the batch's padded tokens B = R * (1 + L).
+    Returns:
+        [R] long: number of draft tokens to verify per request.
+    """
+    survival = torch.cumprod(confidences.float().clamp(0, 1), dim=-1)
+    num_requests, g = survival.shape
+    max_b = sps_table.shape[0] - 1
+    if num_requests > max_b:
+        raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_b}")
+    layers = min(g, max_b // num_requests - 1)
+    lengths = torch.zeros(num_requests, dtype=torch.long, device=confidences.device)
+    if layers <= 0:
+        return lengths
+    table = sps_table.to(device=survival.device, dtype=torch.float32)
+    gain = survival[:, :layers].sum(dim=0)  # [L] survival mass each layer adds
+    # float32 with theta_prev = (tau - gain) * SPS(previous width): the same arithmetic as the Triton twin.
+    tau = num_requests + torch.cumsum(gain, dim=0)
+    width = torch.arange(2, layers + 2, device=survival.device) * num_requests
+    theta = tau * table[width]
+    previous = (tau - gain) * table[width - num_requests]
+    improving = (theta > previous) & (gain > 0)
+    admitted = int(torch.cumprod(improving.long(), dim=0).sum())
+    if admitted:
+        lengths = (survival[:, :admitted] > 0).sum(dim=1).to(lengths.device)
+    return lengths
+
+
 def dynamic_topk_capacity(stale_confidences: torch.Tensor, sps_table: torch.Tensor) -> int:
     """Capacity K for the dynamic top-K variant, from confidences two steps old: the K maximising
     ``(R + top-K survival sum) * SPS(R + K)`` over all K (a full search is fine: the stale confidences
@@ -223,6 +269,42 @@ def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
     return lengths
 
 
+class OnlineSurvivalCorrection:
+    """Keeps the scheduler's expected gains honest when the prompts drift from the calibration set.
+
+    The drafter's (STS-calibrated) prefix survivals a_k are calibrated on the calibration prompts; on other prompts
+    they can be systematically high or low, and the scheduler then verifies too much or too little. The engine
+    records, for every verified draft position k, the survival it was scheduled with and whether the prefix 1..k
+    was accepted, and scales survivals by ``(accepted_k + m) / (predicted_k + m)`` (``m`` pseudo-observations at
+    ratio 1), keeping them in [0, 1], non-increasing, and zero where they were zero. Only past outcomes are used, so
+    the scheduling decision still does not depend on the drafts being verified.
+    """
+
+    def __init__(self, block_size: int, prior: float = 16.0):
+        self.prior = prior
+        self.predicted = torch.zeros(block_size, dtype=torch.float64)
+        self.accepted = torch.zeros(block_size, dtype=torch.float64)
+
+    def factors(self) -> torch.Tensor:
+        return (self.accepted + self.prior) / (self.predicted + self.prior)
+
+    def correct(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Corrected conditional confidences [R, g] (the schedulers take conditionals and form the products)."""
+        survival = torch.cumprod(confidences.float().clamp(0, 1), dim=-1)
+        adjusted = (survival * self.factors().to(survival)).clamp(max=1.0)
+        adjusted = torch.cummin(adjusted, dim=-1).values
+        previous = torch.cat([torch.ones_like(adjusted[:, :1]), adjusted[:, :-1]], dim=-1)
+        return torch.where(previous > 0, adjusted / previous.clamp(min=1e-30), 0.0).clamp(0, 1)
+
+    def observe(self, confidences: torch.Tensor, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Record one step: scheduled conditionals [D, g], verified lengths [D] and accepted drafts [D]."""
+        survival = torch.cumprod(confidences.double().clamp(0, 1), dim=-1).cpu()
+        k = torch.arange(survival.shape[1])
+        verified = k < lengths.cpu()[:, None]
+        self.predicted += (survival * verified).sum(dim=0)
+        self.accepted += ((k < accepted.cpu()[:, None]) & verified).sum(dim=0)
+
+
 @register_verification_policy("scheduler")
 class PrefixSchedulerPolicy(VerificationPolicy):
     """Algorithm 1 at R = 1: verify the prefix length l maximising ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` found by
@@ -232,24 +314,80 @@ class PrefixSchedulerPolicy(VerificationPolicy):
     needs_confidences = True
     needs_sps = True
 
-    def __init__(self, sps: StepsPerSecond | None = None):
+    def __init__(self, sps: StepsPerSecond | None = None, online_correction: bool = True, skip_drafting: bool = True,
+                 probe_interval: int = 4, max_probe_interval: int = 64):
+        """``online_correction``: rescale survivals by the acceptance observed so far (``OnlineSurvivalCorrection``).
+        ``skip_drafting``: do not draft when the previous draft's confidences predict a zero length, or a gain that
+        does not pay for the drafter's measured time; probe again after ``probe_interval`` skipped rounds (the wait
+        doubles after each probe that verified nothing, up to ``max_probe_interval``)."""
+        if probe_interval < 1 or max_probe_interval < probe_interval:
+            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
+                             f"{max_probe_interval}")
         self.sps = sps
         self._table = None if sps is None else sps.table()
+        self.online_correction = online_correction
+        self.skip_drafting = skip_drafting
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.correction: OnlineSurvivalCorrection | None = None
+        self._round: tuple[torch.Tensor, int] | None = None  # this round's raw confidences and verified length
+        self._stale: torch.Tensor | None = None  # the last drafted round's raw confidences (capped)
+        self._idle, self._wait = 0, probe_interval
 
     @classmethod
     def from_generation_config(cls, generation_config, block_size):
         profile = getattr(generation_config, "sps_profile", None)
-        return cls(StepsPerSecond.from_dict(profile) if profile else None)
+        return cls(StepsPerSecond.from_dict(profile) if profile else None,
+                   online_correction=bool(getattr(generation_config, "online_correction", True)),
+                   skip_drafting=bool(getattr(generation_config, "skip_drafting", True)))
 
     def set_sps(self, sps: StepsPerSecond) -> None:
         self.sps, self._table = sps, sps.table()
 
-    def num_to_verify(self, confidences, max_drafts):
+    def _corrected(self, confidences: torch.Tensor) -> torch.Tensor:
+        if not self.online_correction:
+            return confidences.float()
+        if self.correction is None or self.correction.predicted.shape[0] < confidences.shape[-1]:
+            self.correction = OnlineSurvivalCorrection(confidences.shape[-1])
+        return self.correction.correct(confidences.view(1, -1))[0]
+
+    def _schedule(self, confidences: torch.Tensor, max_drafts: int) -> int:
         if self._table is None:
             raise ValueError("the scheduler policy needs an SPS profile (generation_config.sps_profile)")
         table = self._table[: min(self._table.shape[0], 1 + max_drafts + 1)]
         return int(prefix_schedule(confidences[:max_drafts].view(1, -1), table)[0])
 
+    def num_to_verify(self, confidences, max_drafts):
+        corrected = self._corrected(confidences)
+        length = self._schedule(corrected, max_drafts)
+        raw = confidences.float().clone()
+        raw[max_drafts:] = 0.0
+        self._round, self._stale = (raw, length), raw
+        return length
+
+    def observe(self, verified, accepted):
+        if self._round is None:  # a round without drafting
+            self._idle += 1
+            return
+        raw, length = self._round
+        self._round, self._idle = None, 0
+        self._wait = self.probe_interval if length > 0 else min(2 * self._wait, self.max_probe_interval)
+        if self.correction is not None and length > 0:
+            self.correction.observe(raw.view(1, -1), torch.tensor([length]), torch.tensor([accepted]))
+
+    def should_draft(self, max_drafts, draft_seconds=None):
+        if not self.skip_drafting or self._stale is None or self._idle >= self._wait:
+            return True  # nothing to predict from yet, or a probe is due
+        stale = self._corrected(self._stale)  # with the correction learnt up to now
+        length = self._schedule(stale, max_drafts)
+        if length == 0:
+            return False
+        if draft_seconds is None:
+            return True
+        survival = torch.cumprod(stale[:length].clamp(0, 1), dim=0)
+        table = self._table
+        drafting = (1.0 + float(survival.sum())) / (1.0 / float(table[min(1 + length, table.shape[0] - 1)])
+                                                    + draft_seconds)
+        return drafting > float(table[1])
 
 def policy_from_generation_config(generation_config: Any, block_size: int, has_confidence_head: bool) -> VerificationPolicy:
     """Build the policy named by ``generation_config.verification_policy`` (default ``"fixed"``)."""
