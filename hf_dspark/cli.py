@@ -370,7 +370,8 @@ def cmd_bench_serve(args) -> int:
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
     report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         schedule=args.schedule, sps=sps, seed=args.seed, warmup=not args.no_warmup,
+                         schedule=args.schedule, sps=sps, seed=args.seed, repeats=args.repeats,
+                         warmup=not args.no_warmup,
                          log=lambda line: print(line, flush=True))
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
@@ -576,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most requests in the batch at once (one run per value)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk")
+    serve.add_argument("--repeats", type=int, default=1,
+                       help="run the methods of each concurrency round-robin N times; keep each method's fastest run")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",
                        help="budget sharing for 'scheduled': Algorithm 1 by width layers (costed as the padded batch), "
                             "Algorithm 1 over single entries, or dynamic top-K")

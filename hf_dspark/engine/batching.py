@@ -470,6 +470,9 @@ class DSparkEngine:
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
+        adapt_sps: under the scheduler, price the padded widths already run at the current batch size by their
+            measured verify time instead of the profile (default: True when the engine profiles the target itself,
+            ``sps=None``; an SPS passed in is used as given unless this is True).
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
@@ -478,7 +481,7 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
-                 online_correction: bool = True,
+                 online_correction: bool = True, adapt_sps: bool | None = None,
                  max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -521,6 +524,8 @@ class DSparkEngine:
         self.correction = (OnlineSurvivalCorrection(self.block_size)
                            if online_correction and method == "scheduled" else None)
         self._draft_cost: dict[int, float] = {}  # seconds per drafter step, by number of drafting rows (power of 2)
+        self._step_cost: dict[tuple[int, int], float] = {}  # measured verify seconds by (rows, block width)
+        self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
         self._sps = sps
         self._sps_tables: dict[int, torch.Tensor] = {}
@@ -617,6 +622,10 @@ class DSparkEngine:
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
+        if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
+            key = (len(rows), 1 + max(lengths))
+            previous = self._step_cost.get(key)
+            self._step_cost[key] = t2 - t1 if previous is None else 0.7 * previous + 0.3 * (t2 - t1)
 
         keep, emitted = [], 0
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
@@ -741,7 +750,24 @@ class DSparkEngine:
     # Drafting
     # --------------------------------------------------------------------------------------------------------------
     def _sps_table(self, num_requests: int) -> torch.Tensor:
-        """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests."""
+        """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests: the profile, with the
+        padded widths this engine has actually run at this R replaced by their measured speed (moving average of
+        the verify forward), kept non-increasing. The profile is timed on a clean cache at one context length;
+        the steps measured here price what the budget really buys. Only past steps are used."""
+        table = self._profiled_table(num_requests)
+        measured = {w: seconds for (r, w), seconds in self._step_cost.items() if r == num_requests}
+        if not measured:
+            return table
+        from ..profiling import monotone_decreasing
+
+        table = table.clone()
+        widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
+        values = [1.0 / measured[w] if w in measured else float(table[num_requests * w]) for w in widths]
+        for w, value in zip(widths, monotone_decreasing(values)):
+            table[num_requests * w] = value
+        return table
+
+    def _profiled_table(self, num_requests: int) -> torch.Tensor:
         table = self._sps_tables.get(num_requests)
         if table is None:
             if self._sps is None:
