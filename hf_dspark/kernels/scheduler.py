@@ -98,8 +98,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-    """Triton twin: Algorithm 1 (``capacity=None``) or top-``capacity`` admission. Returns [R] lengths."""
+def _launch_inputs(confidences: torch.Tensor, sps_table: torch.Tensor):
+    """Shared set-up of both kernels: contiguous float inputs on one device, the output, and the block sizes."""
     if not _HAVE_TRITON:
         raise RuntimeError("triton is not installed")
     conf = confidences.contiguous().float()
@@ -108,28 +108,24 @@ def schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor, capacity
     if num_requests > max_batch:
         raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_batch}")
     out = torch.zeros(num_requests, dtype=torch.long, device=conf.device)
-    r_block, g_block = max(2, _next_pow2(num_requests)), max(2, _next_pow2(g))
-    _schedule_kernel[(1,)](
-        conf, sps_table.contiguous().float().to(conf.device), out, num_requests, g, max_batch,
-        0 if capacity is None else int(capacity), R_BLOCK=r_block, G_BLOCK=g_block, EARLY_STOP=capacity is None,
-    )
+    table = sps_table.contiguous().float().to(conf.device)
+    blocks = dict(R_BLOCK=max(2, _next_pow2(num_requests)), G_BLOCK=max(2, _next_pow2(g)))
+    return conf, table, out, num_requests, g, max_batch, blocks
+
+
+def schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """Triton twin: Algorithm 1 (``capacity=None``) or top-``capacity`` admission. Returns [R] lengths."""
+    conf, table, out, num_requests, g, max_batch, blocks = _launch_inputs(confidences, sps_table)
+    _schedule_kernel[(1,)](conf, table, out, num_requests, g, max_batch, 0 if capacity is None else int(capacity),
+                           EARLY_STOP=capacity is None, **blocks)
     return out
 
 
 def width_schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor) -> torch.Tensor:
     """Triton twin of ``scheduling.width_schedule``. Returns [R] lengths."""
-    if not _HAVE_TRITON:
-        raise RuntimeError("triton is not installed")
-    conf = confidences.contiguous().float()
-    num_requests, g = conf.shape
-    max_batch = sps_table.shape[0] - 1
-    if num_requests > max_batch:
-        raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_batch}")
-    out = torch.zeros(num_requests, dtype=torch.long, device=conf.device)
+    conf, table, out, num_requests, g, max_batch, blocks = _launch_inputs(confidences, sps_table)
     layers = max(0, min(g, max_batch // num_requests - 1))
-    r_block, g_block = max(2, _next_pow2(num_requests)), max(2, _next_pow2(g))
-    _width_schedule_kernel[(1,)](conf, sps_table.contiguous().float().to(conf.device), out, num_requests, g, layers,
-                                 R_BLOCK=r_block, G_BLOCK=g_block)
+    _width_schedule_kernel[(1,)](conf, table, out, num_requests, g, layers, **blocks)
     return out
 
 
