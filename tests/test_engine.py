@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_dspark.engine import (
+    DeferredDrafterContext,
     DSparkEngine,
     RaggedBatchCache,
     SamplingParams,
@@ -19,7 +20,6 @@ from hf_dspark.engine import (
     schedule_batch,
     speculative_verify,
 )
-from hf_dspark.modeling_dspark import DSparkContextCache
 from hf_dspark.profiling import BatchedStepsPerSecond
 from hf_dspark.scheduling import StepsPerSecond
 from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target
@@ -35,9 +35,11 @@ METHODS = {
     "plain": dict(method="plain"),
     "fixed": dict(method="fixed"),
     "fixed=2": dict(method="fixed", num_verify_tokens=2),
-    "padded": dict(method="scheduled", schedule="padded", sps=DECREASING_SPS),
-    "prefix": dict(method="scheduled", schedule="prefix", sps=DECREASING_SPS),
-    "topk": dict(method="scheduled", schedule="topk", sps=DECREASING_SPS),
+    # cost_aware=False: whether drafting pays for the drafter's MEASURED time depends on the machine's load; these
+    # tests check exactness and that drafts are used (the cost gate has its own test).
+    "padded": dict(method="scheduled", schedule="padded", sps=DECREASING_SPS, cost_aware=False),
+    "prefix": dict(method="scheduled", schedule="prefix", sps=DECREASING_SPS, cost_aware=False),
+    "topk": dict(method="scheduled", schedule="topk", sps=DECREASING_SPS, cost_aware=False),
 }
 
 
@@ -132,30 +134,28 @@ def test_batched_sps_table_scales_by_tokens_per_request():
 # The ragged cache
 # ------------------------------------------------------------------------------------------------------------------
 def numbered_cache(rows: int, width: int, start: float = 0.0):
-    """Target (2 layers) and drafter (1 layer) caches whose entry [r, :, c, :] is start + 100 r + c."""
+    """Target cache (2 layers) whose entry [r, :, c, :] is start + 100 r + c."""
     target = make_target("llama", layers=2)
     values = start + 100 * torch.arange(rows)[:, None] + torch.arange(width)[None, :]
     kv = values[:, None, :, None].expand(rows, 2, width, 4).float()
     cache = DynamicCache(config=target.config)
     for layer in range(2):
         cache.update(kv.clone(), -kv.clone(), layer)
-    drafter = DSparkContextCache(1)
-    drafter.update(0, 2 * kv.clone(), 3 * kv.clone())
-    return cache, drafter
+    return cache
 
 
-def row_contents(ragged: RaggedBatchCache) -> list[list[list[float]]]:
-    """Per row, each cache tensor's valid entries in column order."""
+def row_contents(ragged) -> list[list[list[float]]]:
+    """Per row, each cache tensor's valid entries in column order (first feature only)."""
     tensors = ragged._tensors()
     return [[t[r, 0, ragged.valid[r], 0].tolist() for t in tensors] for r in range(ragged.num_rows)]
 
 
 def test_ragged_cache_compact_select_append():
-    cache, drafter = numbered_cache(3, 6)
+    cache = numbered_cache(3, 6)
     valid = torch.tensor([[1, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 0, 0, 1, 0]], dtype=torch.bool)
-    ragged = RaggedBatchCache(cache, drafter, valid)
+    ragged = RaggedBatchCache(cache, valid)
     before = row_contents(ragged)
-    assert before[0][0] == [0.0, 2.0, 3.0] and before[0][4] == [0.0, 4.0, 6.0]
+    assert before[0][0] == [0.0, 2.0, 3.0] and before[0][1] == [-0.0, -2.0, -3.0]
     ragged.compact()
     assert ragged.width == 6 and row_contents(ragged) == before
     assert ragged.valid[0].tolist() == [True, True, True, False, False, False]
@@ -163,11 +163,65 @@ def test_ragged_cache_compact_select_append():
     assert row_contents(ragged) == [before[2], before[0]]
     ragged.compact()
     assert ragged.width == 3 and row_contents(ragged) == [before[2], before[0]]
-    other_cache, other_drafter = numbered_cache(1, 5, start=1000.0)
-    other = RaggedBatchCache(other_cache, other_drafter, torch.ones(1, 5, dtype=torch.bool))
+    other = RaggedBatchCache(numbered_cache(1, 5, start=1000.0), torch.ones(1, 5, dtype=torch.bool))
     ragged.append_rows([other])
     ragged.check_aligned()
     assert ragged.width == 5 and row_contents(ragged) == [before[2], before[0], row_contents(other)[0]]
+
+
+def test_deferred_drafter_context_matches_eager_projection():
+    """Features deferred in pieces, flushed for some rows at a time, through row selection, joins and compaction:
+    every row's valid context K/V equal the drafter's eager projection of that row's whole feature sequence."""
+    target = make_target("llama")
+    drafter = make_drafter(target, num_hidden_layers=2)
+    width = target.config.hidden_size * len(drafter.target_hidden_states_indices())
+    torch.manual_seed(0)
+    history: list[list[torch.Tensor]] = [[] for _ in range(3)]  # each row's features in position order
+
+    def defer(context, rows_history, q, counts):
+        features = torch.randn(context.num_rows, q, width)
+        start = [sum(f.shape[0] for f in h) for h in rows_history]
+        positions = torch.tensor(start)[:, None] + torch.arange(q)
+        context.defer(features, positions, counts)
+        for r, n in enumerate(counts):
+            rows_history[r].append(features[r, :n])
+
+    def check(context, rows_history, rows):
+        for r in rows:
+            assert context.num_pending(r) == 0
+            expected = drafter.new_context_cache()
+            feats = torch.cat(rows_history[r])[None]
+            drafter.extend_context(expected, feats, 0)
+            for layer in range(2):
+                got_k = context.cache.keys[layer][r][:, context.valid[r]]
+                got_v = context.cache.values[layer][r][:, context.valid[r]]
+                torch.testing.assert_close(got_k, expected.keys[layer][0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(got_v, expected.values[layer][0], atol=1e-5, rtol=1e-5)
+
+    with torch.no_grad():
+        context = DeferredDrafterContext(drafter, 3, torch.device("cpu"))
+        defer(context, history, 9, [9, 5, 7])  # a right-padded prefill
+        context.flush(drafter, [0, 2])  # rows 0 and 2 draft: row 1 stays pending, gets holes
+        assert context.num_pending(1) == 5 and context.width == 9
+        check(context, history, [0, 2])
+        defer(context, history, 4, [1, 3, 2])  # verify steps: anchor + accepted drafts
+        defer(context, history, 2, [2, 1, 1])
+        context.flush(drafter, [1, 2])
+        check(context, history, [1, 2])
+        context.select_rows(torch.tensor([2, 0]))  # row 1 leaves
+        history = [history[2], history[0]]
+        joining = DeferredDrafterContext(drafter, 1, torch.device("cpu"))
+        history.append([])
+        defer(joining, history[2:], 6, [6])
+        context.append_rows([joining])
+        assert context.num_rows == 3 and len(context.pending) == 3
+        context.flush(drafter, [0, 1, 2])
+        check(context, history, [0, 1, 2])
+        context.compact()
+        check(context, history, [0, 1, 2])
+        cache, valid = context.rows_view([2, 0])
+        assert valid.shape[0] == 2 and cache.keys[0].shape[0] == 2
+        assert torch.equal(cache.keys[1][0], context.cache.keys[1][2])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -272,7 +326,7 @@ def test_scheduler_on_and_off(tiny_targets, trained_drafters):
     prompts = in_distribution_prompts(target, 6)
     params = SamplingParams(max_new_tokens=24)
     fixed = generate_batch(target, prompts, drafter, params, method="fixed")
-    flat = generate_batch(target, prompts, drafter, params, method="scheduled", sps=FLAT_SPS)
+    flat = generate_batch(target, prompts, drafter, params, method="scheduled", sps=FLAT_SPS, cost_aware=False)
     scheduled = generate_batch(target, prompts, drafter, params, method="scheduled", sps=DECREASING_SPS)
     assert flat.stats.verify_tokens == fixed.stats.verify_tokens
     assert sum(scheduled.stats.verify_tokens) < sum(fixed.stats.verify_tokens)
@@ -286,15 +340,44 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
     probe = 3
-    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=20), method="scheduled",
-                            sps=PROHIBITIVE_SPS, probe_interval=probe)
-    assert sum(result.stats.verify_tokens) == 0
-    for prompt, out in zip(prompts, result.outputs):
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS, probe_interval=probe)
+    engine._drafts_can_pay = lambda caps, table: True  # probe as if a certain draft could pay (see the next test)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
+    engine.run()
+    assert sum(engine.stats.verify_tokens) == 0
+    for prompt, out in zip(prompts, [engine.outputs[i] for i in ids]):
         assert out.token_ids == plain_greedy(target, prompt, 20)
         drafted_rounds = [k for k, d in enumerate(out.stats.drafted) if d]
         gaps = [b - a for a, b in zip(drafted_rounds, drafted_rounds[1:])]
         assert drafted_rounds[0] == 0 and gaps == [probe * 2 ** (k + 1) + 1 for k in range(len(gaps))], gaps
         assert len(gaps) >= 1
+
+
+def test_no_drafting_when_even_certain_drafts_cannot_pay(tiny_targets, trained_drafters):
+    """At a batch size where not even certain drafts would be verified, nothing drafts, not even probes, and the
+    drafter's context is never built (the target features stay pending); once few enough requests remain for drafts
+    to pay, the pending features are projected and drafting starts. Outputs equal plain greedy."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 4)
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    for _ in range(5):
+        engine.step()
+    assert sum(engine.stats.drafting) == 0 and engine._context.width == 0
+    assert all(engine._context.num_pending(r) == len(request.prompt_ids) + 5 for r, request in enumerate(engine._rows))
+    engine.run()
+    for request_id, prompt in zip(ids, prompts):
+        assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
+    # A batch-dependent profile: drafts may pay for one request, never for four.
+    sizes = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 8], [100.0, 90.0, 50.0]),
+                                   4: StepsPerSecond([4, 8, 32], [100.0, 1.0, 0.1])})
+    max_new = [3, 3, 3, 20]
+    result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            method="scheduled", sps=sizes)
+    drafting = result.stats.drafting
+    assert sum(drafting[:2]) == 0 and sum(drafting) > 0  # only once the last request is alone
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m)
 
 
 def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_drafters):
@@ -500,6 +583,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     rows = engine.num_active
     engine._step_cost = {(r, w): 0.01 if w == 1 else 10.0
                          for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}
+    engine._step_version += 1  # what a new measurement does: the repriced tables are rebuilt
     table = engine._sps_table(rows)
     assert float(table[rows]) == pytest.approx(100.0) and float(table[2 * rows]) == pytest.approx(0.1)
     before = len(engine.stats.widths)
@@ -508,6 +592,29 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 16)
     assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).adapt_sps  # a given SPS is kept
+
+
+def test_unmeasured_widths_priced_from_other_batch_sizes(tiny_targets, trained_drafters):
+    """A width not yet run at this batch size is priced by its measured cost ratio at the nearest batch size that ran
+    it (when that is dearer than the profile), scaled by this batch size's measured width-1 time; measured widths
+    keep their own price, and the table stays non-increasing. Tables are cached until a new measurement."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True)
+    profiled = engine._profiled_table(4).clone()
+    assert engine._sps_table(4) is engine._profiled_table(4)  # nothing measured: the profile as is
+    engine._step_cost = {(2, 1): 0.010, (2, 3): 0.030, (8, 1): 0.040, (8, 2): 0.060, (4, 1): 0.020}
+    engine._step_version += 1
+    table = engine._sps_table(4)
+    assert float(table[4]) == pytest.approx(50.0)  # measured at R = 4
+    # width 3: nearest R with (R, 3) and (R, 1) is 2, ratio 3 -> 0.06 s; width 2: nearest is 8, ratio 1.5 -> 0.03 s
+    assert float(table[12]) == pytest.approx(1 / 0.060) and float(table[8]) == pytest.approx(1 / 0.030)
+    # widths measured nowhere keep the profile, but never cheaper than a narrower width (running minimum)
+    assert float(table[16]) == pytest.approx(min(float(profiled[16]), 1 / 0.060))
+    assert all(float(table[4 * w]) >= float(table[4 * (w + 1)]) for w in range(1, 5))
+    assert engine._sps_table(4) is table  # cached
+    engine._step_cost[(4, 3)] = 0.025  # a cheaper measured price wins at this R
+    engine._step_version += 1
+    assert float(engine._sps_table(4)[12]) == pytest.approx(1 / 0.030)  # 1/0.025 capped by width 2's 1/0.030
 
 
 def test_online_survival_correction():

@@ -3,6 +3,7 @@
 
 from .batching import (
     BatchOutput,
+    DeferredDrafterContext,
     DSparkEngine,
     EngineStats,
     RaggedBatchCache,
@@ -10,7 +11,6 @@ from .batching import (
     SamplingParams,
     TokenEvent,
     capped_confidences,
-    extend_drafter_context,
     generate_batch,
     greedy_verify,
     schedule_batch,

@@ -13,11 +13,12 @@ transformers' assisted generation serves one sequence at a time; here every step
    streams the new tokens, and retires finished requests (EOS or max length) so others can join.
 
 Rejected tokens are rolled back by masking, not by cropping: ``RaggedBatchCache`` keeps the target's
-``DynamicCache`` and the drafter's context cache column-aligned, with a per-row ``valid`` mask. A verification
-forward appends the block's columns to every row; afterwards only the anchor and the accepted drafts stay valid,
-rejected drafts and padding become holes that every later attention mask hides. Valid columns of a row hold its
-positions 0..n-1 in order, so the caches always contain exactly the verified sequence; ``compact`` squeezes the
-holes out now and then.
+``DynamicCache`` column-aligned, with a per-row ``valid`` mask. A verification forward appends the block's columns to
+every row; afterwards only the anchor and the accepted drafts stay valid, rejected drafts and padding become holes
+that every later attention mask hides. Valid columns of a row hold its positions 0..n-1 in order, so the cache always
+contains exactly the verified sequence; ``compact`` squeezes the holes out now and then. The drafter's context
+(``DeferredDrafterContext``) is built lazily: the verified positions' target features wait, and are projected into
+the drafter's context K/V only when the request drafts, so requests that skip drafting cost the drafter nothing.
 
 transformers' own continuous batching (``generation/continuous_batching``) was studied first: its paged cache and
 varlen inputs do carry ragged query lengths, but the manager samples one token per request per step from the last
@@ -208,25 +209,17 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
 # ------------------------------------------------------------------------------------------------------------------
 # Column-aligned ragged caches
 # ------------------------------------------------------------------------------------------------------------------
-class RaggedBatchCache:
-    """The target's ``DynamicCache`` and the drafter's ``DSparkContextCache`` for all active requests, one row per
-    request, column-aligned, with ``valid`` [R, W] marking the columns that hold verified positions.
+class _ColumnAligned:
+    """Per-request rows of cache tensors [R, heads, W, head_dim], column-aligned, with ``valid`` [R, W] marking the
+    columns that hold verified positions; every other column is a hole that attention masks hide."""
 
-    Invariant: the valid columns of row r hold the K/V of positions 0..n_r-1 of request r, in order, in both caches
-    (the drafter's from the target features of the same positions). Every other column is a hole (a rejected draft,
-    block padding, or width padding from joining) that attention masks hide.
-    """
+    valid: torch.Tensor
 
-    def __init__(self, target_cache: DynamicCache, drafter_cache: DSparkContextCache | None, valid: torch.Tensor):
-        for layer in target_cache.layers:
-            if type(layer) is not DynamicLayer:
-                raise ValueError(
-                    f"the batched engine serves full-attention targets with a plain DynamicCache; this target's "
-                    f"cache has a {type(layer).__name__} layer (sliding-window or hybrid attention)"
-                )
-        self.target_cache = target_cache
-        self.drafter_cache = drafter_cache
-        self.valid = valid  # bool [R, W]
+    def _tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _assign(self, tensors: list[torch.Tensor]) -> None:
+        raise NotImplementedError
 
     @property
     def num_rows(self) -> int:
@@ -236,42 +229,17 @@ class RaggedBatchCache:
     def width(self) -> int:
         return self.valid.shape[1]
 
-    def _tensors(self) -> list[torch.Tensor]:
-        tensors = [t for layer in self.target_cache.layers for t in (layer.keys, layer.values)]
-        if self.drafter_cache is not None:
-            tensors += self.drafter_cache.keys + self.drafter_cache.values
-        return tensors
-
-    def _assign(self, tensors: list[torch.Tensor]) -> None:
-        it = iter(tensors)
-        for layer in self.target_cache.layers:
-            layer.keys, layer.values = next(it), next(it)
-        if self.drafter_cache is not None:
-            n = len(self.drafter_cache.keys)
-            self.drafter_cache.keys = [next(it) for _ in range(n)]
-            self.drafter_cache.values = [next(it) for _ in range(n)]
-
     def check_aligned(self) -> None:
         widths = {t.shape[2] for t in self._tensors()}
         if widths != {self.width}:
             raise RuntimeError(f"ragged cache out of step: tensor widths {sorted(widths)}, mask width {self.width}")
-
-    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
-        """2D mask [R, W + Q] for a forward that appends Q block columns (``block_valid`` [R, Q])."""
-        return torch.cat([self.valid, block_valid], dim=1)
-
-    def commit(self, kept: torch.Tensor) -> None:
-        """After both caches appended Q block columns: keep the columns marked in ``kept`` [R, Q] (anchor and
-        accepted drafts), and turn the rest into holes."""
-        self.valid = torch.cat([self.valid, kept], dim=1)
-        self.check_aligned()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only ``rows`` (requests leaving the batch drop out)."""
         self._assign([t.index_select(0, rows) for t in self._tensors()])
         self.valid = self.valid.index_select(0, rows)
 
-    def append_rows(self, others: Sequence["RaggedBatchCache"]) -> None:
+    def append_rows(self, others: Sequence["_ColumnAligned"]) -> None:
         """Add the rows of ``others`` (requests joining); narrower parts are padded with holes on the right."""
         parts = [self, *others]
         width = max(part.width for part in parts)
@@ -286,7 +254,7 @@ class RaggedBatchCache:
     def compact(self) -> None:
         """Squeeze the holes out: each row's valid columns move to the front, in order."""
         lengths = self.valid.sum(dim=1)
-        width = int(lengths.max())
+        width = int(lengths.max()) if lengths.numel() else 0
         order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :width]  # valid columns first
         gathered = []
         for t in self._tensors():
@@ -295,15 +263,139 @@ class RaggedBatchCache:
         self._assign(gathered)
         self.valid = torch.arange(width, device=self.valid.device) < lengths[:, None]
 
+    def holes_exceed(self, fraction: float = 0.25, slack: int = 16) -> bool:
+        """Whether holes take more than ``fraction`` of the longest row (plus ``slack`` columns): time to compact."""
+        longest = int(self.valid.sum(dim=1).max()) if self.num_rows else 0
+        return self.width > longest + max(slack, int(longest * fraction))
 
-def extend_drafter_context(drafter, cache: DSparkContextCache, target_hidden: torch.Tensor,
-                           positions: torch.Tensor) -> None:
-    """Append context K/V for target features [R, Q, taps * D] at per-row positions [R, Q] (the batched form of
-    ``DSparkDrafter.extend_context``)."""
-    context = drafter.project_context(target_hidden)
-    rope = drafter.rotary_emb(context, positions)
-    for layer in drafter.layers:
-        cache.update(layer.self_attn.layer_idx, *layer.self_attn.key_values(context, *rope))
+
+class RaggedBatchCache(_ColumnAligned):
+    """The target's ``DynamicCache`` for all active requests, one row per request, column-aligned, with ``valid``
+    [R, W] marking the columns that hold verified positions.
+
+    Invariant: the valid columns of row r hold the K/V of positions 0..n_r-1 of request r, in order. Every other
+    column is a hole (a rejected draft, block padding, or width padding from joining) that attention masks hide.
+    """
+
+    def __init__(self, target_cache: DynamicCache, valid: torch.Tensor):
+        for layer in target_cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ValueError(
+                    f"the batched engine serves full-attention targets with a plain DynamicCache; this target's "
+                    f"cache has a {type(layer).__name__} layer (sliding-window or hybrid attention)"
+                )
+        self.target_cache = target_cache
+        self.valid = valid  # bool [R, W]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.target_cache.layers for t in (layer.keys, layer.values)]
+
+    def _assign(self, tensors: list[torch.Tensor]) -> None:
+        it = iter(tensors)
+        for layer in self.target_cache.layers:
+            layer.keys, layer.values = next(it), next(it)
+
+    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
+        """2D mask [R, W + Q] for a forward that appends Q block columns (``block_valid`` [R, Q])."""
+        return torch.cat([self.valid, block_valid], dim=1)
+
+    def commit(self, kept: torch.Tensor) -> None:
+        """After the cache appended Q block columns: keep the columns marked in ``kept`` [R, Q] (anchor and accepted
+        drafts), and turn the rest into holes."""
+        self.valid = torch.cat([self.valid, kept], dim=1)
+        self.check_aligned()
+
+
+class DeferredDrafterContext(_ColumnAligned):
+    """The drafter's context K/V for all active requests, built lazily.
+
+    The target's features of each request's verified positions are kept pending (views of the verify forward's
+    hidden states, nothing is copied) and projected into context K/V only when the request next drafts, in one
+    batched projection for all the rows drafting that step. Requests that skip drafting (a zero predicted budget,
+    or a batch too large for drafts to pay) never pay for the drafter's context. The valid columns of row r hold
+    the K/V of r's positions 0..m_r-1 in order (m_r <= n_r: the rest is pending); holes are masked as in
+    ``RaggedBatchCache``, with their own compaction.
+    """
+
+    def __init__(self, drafter, num_rows: int, device, pending: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None):
+        config = drafter.config
+        dtype = next(drafter.parameters()).dtype
+        empty = torch.zeros(num_rows, config.num_key_value_heads, 0, config.head_dim, dtype=dtype, device=device)
+        self.cache = drafter.new_context_cache()
+        self.cache.keys = [empty] * config.num_hidden_layers
+        self.cache.values = [empty] * config.num_hidden_layers
+        self.valid = torch.zeros(num_rows, 0, dtype=torch.bool, device=device)
+        self.pending = pending if pending is not None else [[] for _ in range(num_rows)]
+        if len(self.pending) != num_rows:
+            raise ValueError(f"{len(self.pending)} pending lists for {num_rows} rows")
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.cache.keys + self.cache.values
+
+    def _assign(self, tensors: list[torch.Tensor]) -> None:
+        n = len(self.cache.keys)
+        self.cache.keys, self.cache.values = list(tensors[:n]), list(tensors[n:])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.pending = [self.pending[i] for i in rows.tolist()]
+
+    def append_rows(self, others: Sequence["DeferredDrafterContext"]) -> None:
+        super().append_rows(others)
+        self.pending = [p for part in (self, *others) for p in part.pending]
+
+    def defer(self, features: torch.Tensor, positions: torch.Tensor, counts: Sequence[int]) -> None:
+        """Queue the first ``counts[r]`` of row r's features [R, Q, taps * D] at positions [R, Q]."""
+        for r, n in enumerate(counts):
+            if n:
+                self.pending[r].append((features[r, :n], positions[r, :n]))
+
+    def num_pending(self, row: int) -> int:
+        return sum(p.shape[0] for p, _ in self.pending[row])
+
+    def flush(self, drafter, rows: Sequence[int]) -> None:
+        """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
+        path) and append them as new columns; the other rows get holes there."""
+        todo = [r for r in rows if self.pending[r]]
+        if not todo:
+            return
+        device = self.valid.device
+        features = [torch.cat([f for f, _ in self.pending[r]]) if len(self.pending[r]) > 1 else self.pending[r][0][0]
+                    for r in todo]
+        positions = [torch.cat([p for _, p in self.pending[r]]) if len(self.pending[r]) > 1 else self.pending[r][0][1]
+                     for r in todo]
+        counts = torch.tensor([f.shape[0] for f in features], device=device)
+        features = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
+        positions = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)
+        columns = torch.arange(features.shape[1], device=device) < counts[:, None]  # [k, n]
+        context = drafter.project_context(features)
+        rope = drafter.rotary_emb(context, positions)
+        every_row = len(todo) == self.num_rows
+        index = None if every_row else torch.tensor(todo, device=device)
+        for layer in drafter.layers:
+            keys, values = layer.self_attn.key_values(context, *rope)  # [k, heads, n, head_dim]
+            i = layer.self_attn.layer_idx
+            if not every_row:
+                keys = keys.new_zeros(self.num_rows, *keys.shape[1:]).index_copy_(0, index, keys)
+                values = values.new_zeros(self.num_rows, *values.shape[1:]).index_copy_(0, index, values)
+            self.cache.keys[i] = torch.cat([self.cache.keys[i], keys], dim=2)
+            self.cache.values[i] = torch.cat([self.cache.values[i], values], dim=2)
+        if not every_row:
+            columns = columns.new_zeros(self.num_rows, columns.shape[1]).index_copy_(0, index, columns)
+        self.valid = torch.cat([self.valid, columns], dim=1)
+        for r in todo:
+            self.pending[r] = []
+        self.check_aligned()
+
+    def rows_view(self, rows: Sequence[int]) -> tuple[DSparkContextCache, torch.Tensor]:
+        """The context cache and valid mask of ``rows`` (all rows: no copy)."""
+        if len(rows) == self.num_rows and list(rows) == list(range(self.num_rows)):
+            return self.cache, self.valid
+        index = torch.tensor(list(rows), device=self.valid.device)
+        view = DSparkContextCache(len(self.cache.keys))
+        view.keys = [k.index_select(0, index) for k in self.cache.keys]
+        view.values = [v.index_select(0, index) for v in self.cache.values]
+        return view, self.valid.index_select(0, index)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -525,6 +617,8 @@ class DSparkEngine:
                            if online_correction and method == "scheduled" else None)
         self._draft_cost: dict[int, float] = {}  # seconds per drafter step, by number of drafting rows (power of 2)
         self._step_cost: dict[tuple[int, int], float] = {}  # measured verify seconds by (rows, block width)
+        self._step_version = 0  # bumped on each new measurement: invalidates the repriced tables
+        self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
         self._sps = sps
@@ -537,6 +631,7 @@ class DSparkEngine:
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request] = []
         self._cache: RaggedBatchCache | None = None
+        self._context: DeferredDrafterContext | None = None  # row-aligned with _cache; None without a drafter
         self._ids: set[str] = set()
         self.outputs: dict[str, RequestOutput] = {}
         self.stats = EngineStats()
@@ -612,6 +707,9 @@ class DSparkEngine:
         drafting = self._drafting_rows(caps, capacity)
         drafts = None
         if drafting:
+            # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
+            # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
+            self._context.flush(self.drafter, drafting)
             started = time.perf_counter()
             drafts = self._draft(drafting)
             bucket = _bucket(len(drafting))
@@ -626,6 +724,7 @@ class DSparkEngine:
             key = (len(rows), 1 + max(lengths))
             previous = self._step_cost.get(key)
             self._step_cost[key] = t2 - t1 if previous is None else 0.7 * previous + 0.3 * (t2 - t1)
+            self._step_version += 1
 
         keep, emitted = [], 0
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
@@ -654,14 +753,18 @@ class DSparkEngine:
         if len(keep) < len(rows):
             self._rows = [rows[i] for i in keep]
             if keep:
-                self._cache.select_rows(torch.tensor(keep, device=self.device))
+                index = torch.tensor(keep, device=self.device)
+                self._cache.select_rows(index)
+                if self._context is not None:
+                    self._context.select_rows(index)
             else:
-                self._cache = None
-        longest = max((r.length for r in self._rows), default=0)
-        if self._cache is not None and self._cache.width > longest + max(16, longest // 4):
-            # Holes (rejected drafts) take over a fifth of the width: one gather, cheaper than the per-step appends.
-            self._cache.compact()
-            self.stats.compactions += 1
+                self._cache = self._context = None
+        # Holes (rejected drafts, rows that did not take part in a context flush) past a fifth of the width: one
+        # gather, cheaper than carrying them through every later append.
+        for part in (self._cache, self._context):
+            if part is not None and part.holes_exceed():
+                part.compact()
+                self.stats.compactions += 1
         self.stats.active.append(len(rows))
         self.stats.drafting.append(len(drafting))
         self.stats.verify_tokens.append(sum(lengths))
@@ -690,7 +793,7 @@ class DSparkEngine:
         # Shortest prompts first: chunks of similar lengths waste little on right-padding.
         for chunk in _chunks(sorted(joining, key=lambda r: len(r.prompt_ids)), self.max_prefill_tokens):
             start = self._now()
-            part = self._prefill(chunk)
+            part, context = self._prefill(chunk)
             kept = []
             for i, request in enumerate(chunk):
                 request.start_s, request.first_token_s = start, self._now()
@@ -703,18 +806,24 @@ class DSparkEngine:
                     self._rows.append(request)
             if kept:
                 if len(kept) < len(chunk):
-                    part.select_rows(torch.tensor(kept, device=self.device))
-                parts.append(part)
+                    index = torch.tensor(kept, device=self.device)
+                    part.select_rows(index)
+                    if context is not None:
+                        context.select_rows(index)
+                parts.append((part, context))
         if parts:
             if self._cache is None:
-                self._cache = parts.pop(0)
-            self._cache.append_rows(parts)
+                self._cache, self._context = parts.pop(0)
+            self._cache.append_rows([part for part, _ in parts])
+            if self._context is not None:
+                self._context.append_rows([context for _, context in parts])
         self.stats.prefill_s += time.perf_counter() - started
         return events
 
-    def _prefill(self, requests: list[_Request]) -> RaggedBatchCache:
+    def _prefill(self, requests: list[_Request]) -> tuple[RaggedBatchCache, DeferredDrafterContext | None]:
         """One forward over the prompts, right-padded: a prompt never attends to padding (it comes after it), and the
-        padding columns are holes from the start. Emits each request's first token."""
+        padding columns are holes from the start. Emits each request's first token. The prompts' target features
+        wait in the drafter context until each request first drafts."""
         lengths = [len(r.prompt_ids) for r in requests]
         width = max(lengths)
         ids = torch.tensor([r.prompt_ids + r.prompt_ids[-1:] * (width - len(r.prompt_ids)) for r in requests],
@@ -739,33 +848,64 @@ class DSparkEngine:
         for request, token in zip(requests, first.tolist()):
             request.length = len(request.prompt_ids)
             request.emit([token])
-        drafter_cache = None
+        context = None
         if self.drafter is not None:
-            drafter_cache = self.drafter.new_context_cache()
+            context = DeferredDrafterContext(self.drafter, len(requests), self.device)
             features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)
-            extend_drafter_context(self.drafter, drafter_cache, features, positions)
-        return RaggedBatchCache(cache, drafter_cache, valid)
+            context.defer(features, positions, lengths)
+        return RaggedBatchCache(cache, valid), context
 
     # --------------------------------------------------------------------------------------------------------------
     # Drafting
     # --------------------------------------------------------------------------------------------------------------
     def _sps_table(self, num_requests: int) -> torch.Tensor:
-        """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests: the profile, with the
-        padded widths this engine has actually run at this R replaced by their measured speed (moving average of
-        the verify forward), kept non-increasing. The profile is timed on a clean cache at one context length;
-        the steps measured here price what the budget really buys. Only past steps are used."""
-        table = self._profiled_table(num_requests)
-        measured = {w: seconds for (r, w), seconds in self._step_cost.items() if r == num_requests}
-        if not measured:
-            return table
-        from ..profiling import monotone_decreasing
+        """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests: the profile, repriced by
+        what this engine has measured (moving averages of the verify forward), kept non-increasing. The profile is
+        timed on a clean cache at one context length; measured steps price what the budget really buys:
 
-        table = table.clone()
+        - a width already run at this R costs its measured time;
+        - a width not yet run at this R, once plain width-1 steps are measured here, costs that time scaled by the
+          width's measured cost ratio (width w over width 1) at the nearest batch size where both were run, when this
+          is dearer than the profile says (so one slow wide step at R = 8 stops the first wide step at R = 16 from
+          being taken at the profile's word).
+
+        A width is never priced cheaper than a narrower one (running minimum: a measured or transferred price is not
+        averaged away with the profile's optimism). Only past steps are used. Tables are cached until a new
+        measurement arrives."""
+        table = self._profiled_table(num_requests)
+        if not self._step_cost:
+            return table
+        cached = self._priced_tables.get(num_requests)
+        if cached is not None and cached[0] == self._step_version:
+            return cached[1]
+        measured = {w: seconds for (r, w), seconds in self._step_cost.items() if r == num_requests}
         widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
         values = [1.0 / measured[w] if w in measured else float(table[num_requests * w]) for w in widths]
-        for w, value in zip(widths, monotone_decreasing(values)):
-            table[num_requests * w] = value
+        base = measured.get(1)
+        if base is not None:
+            for k, w in enumerate(widths):
+                ratio = self._width_cost_ratio(num_requests, w) if w not in measured else None
+                if ratio is not None:
+                    values[k] = min(values[k], 1.0 / (base * ratio))
+        if any(w in measured for w in widths) or base is not None:
+            table = table.clone()
+            floor = float("inf")
+            for w, value in zip(widths, values):
+                floor = min(floor, value)
+                table[num_requests * w] = floor
+        self._priced_tables[num_requests] = (self._step_version, table)
         return table
+
+    def _width_cost_ratio(self, num_requests: int, width: int) -> float | None:
+        """Measured verify time of ``width`` over that of width 1 at the batch size nearest ``num_requests`` (in log
+        scale, ties toward the larger) where both were run, or None."""
+        import math
+
+        sizes = [r for (r, w) in self._step_cost if w == width and r != num_requests and (r, 1) in self._step_cost]
+        if not sizes:
+            return None
+        nearest = min(sizes, key=lambda r: (abs(math.log(r / num_requests)), -r))
+        return max(1.0, self._step_cost[(nearest, width)] / self._step_cost[(nearest, 1)])
 
     def _profiled_table(self, num_requests: int) -> torch.Tensor:
         table = self._sps_tables.get(num_requests)
@@ -816,9 +956,11 @@ class DSparkEngine:
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
         if self.method == "fixed" or not candidates:
             return candidates
-        stale, known = self._stale_confidences()
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
+        if not self._drafts_can_pay(cap_tensor, table):
+            return []  # not even certain drafts would be verified at this batch size: no draft, no probe
+        stale, known = self._stale_confidences()
         predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
         lengths = predicted.tolist()
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
@@ -827,6 +969,14 @@ class DSparkEngine:
         if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
             return []
         return sorted(set(worth) | set(due))
+
+    def _drafts_can_pay(self, caps: torch.Tensor, table: torch.Tensor) -> bool:
+        """Whether the scheduler would verify anything at this batch size if every draft were certain (all
+        confidences 1, within the caps). When not, drafting is pointless whatever the drafter says (the batch is
+        too large for verification to pay on this hardware), and requests skip even their probes."""
+        certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
+        schedule = "prefix" if self.schedule == "topk" else self.schedule  # top-K pays R + K tokens, as "prefix"
+        return bool(schedule_batch(certain, caps, table, schedule).any())
 
     def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int) -> bool:
         """Whether drafting ``rows`` requests is expected to beat plain decoding this step, from the stale
@@ -847,15 +997,9 @@ class DSparkEngine:
     def _draft(self, rows: list[int]) -> _Drafts:
         """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
         context caches, then left-to-right sampling per group of equal sampling parameters."""
-        drafter, g, cache = self.drafter, self.block_size, self._cache
-        index = torch.tensor(rows, device=self.device)
-        context = cache.drafter_cache
-        valid = cache.valid
-        if len(rows) < cache.num_rows:
-            context = DSparkContextCache(len(context.keys))
-            context.keys = [k.index_select(0, index) for k in cache.drafter_cache.keys]
-            context.values = [v.index_select(0, index) for v in cache.drafter_cache.values]
-            valid = valid.index_select(0, index)
+        drafter, g = self.drafter, self.block_size
+        self._context.flush(drafter, rows)  # pending target features become context K/V (step() already did)
+        context, valid = self._context.rows_view(rows)
         anchors = torch.tensor([self._rows[i].anchor for i in rows], device=self.device)
         positions = torch.tensor([self._rows[i].length for i in rows], device=self.device)[:, None] + torch.arange(
             g, device=self.device)
@@ -938,9 +1082,9 @@ class DSparkEngine:
                 a, t = speculative_verify(draft_ids[sel], num_drafts[sel], q, p, self.generator)
             accepted[sel], next_tokens[sel] = a, t
 
-        if self.drafter is not None:
+        if self.drafter is not None:  # the verified positions' features wait until the request drafts again
             features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)  # [R, Q, taps * D]
-            extend_drafter_context(self.drafter, cache.drafter_cache, features, positions)
+            self._context.defer(features, positions, (accepted + 1).tolist())
         # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()
@@ -1026,13 +1170,13 @@ def generate_batch(target, prompts: Sequence, drafter=None, params=None, **engin
 __all__ = [
     "BatchOutput",
     "DSparkEngine",
+    "DeferredDrafterContext",
     "EngineStats",
     "RaggedBatchCache",
     "RequestOutput",
     "SamplingParams",
     "TokenEvent",
     "capped_confidences",
-    "extend_drafter_context",
     "generate_batch",
     "greedy_verify",
     "schedule_batch",
