@@ -341,7 +341,7 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     prompts = in_distribution_prompts(target, 5)
     probe = 3
     engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS, probe_interval=probe)
-    engine._drafts_can_pay = lambda caps, table: True  # probe as if a certain draft could pay (see the next test)
+    engine._drafts_can_pay = lambda caps, table, rows=None: True  # probe as if a certain draft could pay (see the next test)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
     engine.run()
     assert sum(engine.stats.verify_tokens) == 0
@@ -376,6 +376,22 @@ def test_no_drafting_when_even_certain_drafts_cannot_pay(tiny_targets, trained_d
                             method="scheduled", sps=sizes)
     drafting = result.stats.drafting
     assert sum(drafting[:2]) == 0 and sum(drafting) > 0  # only once the last request is alone
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m)
+
+
+def test_lone_drafts_wait_until_enough_rows_draft_together(tiny_targets, trained_drafters):
+    """In the padded batch one request's draft widens every row: with this profile a certain draft of k rows pays
+    only when k > 0.39 R (width 2 costs 100/72 of width 1), so no step drafts fewer rows than that. Exact outputs."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 6)
+    sps = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 8], [100.0, 72.0, 20.0])})
+    max_new = [24, 6, 18, 9, 24, 13]
+    result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            method="scheduled", sps=sps, max_concurrency=4, cost_aware=False, probe_interval=1)
+    steps = list(zip(result.stats.active, result.stats.drafting))
+    assert all(k == 0 or 100 * k > 38.9 * r for r, k in steps), steps
+    assert any(k for _, k in steps)
     for prompt, m, out in zip(prompts, max_new, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, m)
 

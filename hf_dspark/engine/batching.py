@@ -968,13 +968,21 @@ class DSparkEngine:
                if not known[i] or self._rows[i].idle_steps >= self._rows[i].probe_wait]
         if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
             return []
-        return sorted(set(worth) | set(due))
+        chosen = sorted(set(worth) | set(due))
+        if not self._drafts_can_pay(cap_tensor, table, chosen):
+            # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
+            # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
+            return []
+        return chosen
 
-    def _drafts_can_pay(self, caps: torch.Tensor, table: torch.Tensor) -> bool:
-        """Whether the scheduler would verify anything at this batch size if every draft were certain (all
-        confidences 1, within the caps). When not, drafting is pointless whatever the drafter says (the batch is
-        too large for verification to pay on this hardware), and requests skip even their probes."""
+    def _drafts_can_pay(self, caps: torch.Tensor, table: torch.Tensor, rows: list[int] | None = None) -> bool:
+        """Whether the scheduler would verify anything at this batch size if the drafts of ``rows`` (default: every
+        row) were certain (confidences 1 within the caps, the other rows not drafting). When not, drafting those
+        rows is pointless whatever the drafter says (the batch is too large for verification to pay on this
+        hardware), and they skip even their probes."""
         certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
+        if rows is not None:
+            certain[[i for i in range(caps.shape[0]) if i not in set(rows)]] = 0.0
         schedule = "prefix" if self.schedule == "topk" else self.schedule  # top-K pays R + K tokens, as "prefix"
         return bool(schedule_batch(certain, caps, table, schedule).any())
 
