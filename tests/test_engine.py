@@ -396,6 +396,27 @@ def test_lone_drafts_wait_until_enough_rows_draft_together(tiny_targets, trained
         assert out.token_ids == plain_greedy(target, prompt, m)
 
 
+def test_joining_requests_start_from_the_confidence_prior(tiny_targets, trained_drafters):
+    """A joining request is judged by the mean confidences of the drafts so far: a prior predicting no budget makes it
+    wait for its first probe (``probe_interval`` steps); a confident prior, or no prior, lets it draft at once."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 2)
+    g, probe = drafter.config.block_size, 3
+    runs = {}
+    for name, prior in (("off", None), ("none", "none"), ("zeros", 0.0), ("ones", 1.0)):
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+                              probe_interval=probe, confidence_prior=prior is not None)
+        if isinstance(prior, float):
+            engine._confidence_sum, engine._confidence_count = torch.full((g,), prior), 1
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+        engine.run()
+        runs[name] = engine.stats.drafting
+        for request_id, prompt in zip(ids, prompts):
+            assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 10)
+    assert runs["off"][0] == runs["none"][0] == runs["ones"][0] == 2
+    assert runs["zeros"][:probe + 1] == [0] * probe + [2]
+
+
 def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_drafters):
     """Verification is free (flat SPS) but the drafter is (made) far too slow: with ``cost_aware`` the requests
     draft only when a probe is due; without it they draft every step. Outputs equal plain greedy either way."""

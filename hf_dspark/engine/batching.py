@@ -498,7 +498,7 @@ class _Request:
     start_s: float = 0.0
     first_token_s: float = 0.0
     finish_reason: str | None = None
-    last_confidences: list[float] | None = None  # from the request's last drafting step
+    last_confidences: list[float] | None = None  # from the request's last drafting step (or the engine's prior)
     idle_steps: int = 0  # consecutive steps without drafting
     probe_wait: int = 0  # idle steps before the next probe (doubles after each probe that verified nothing)
 
@@ -565,6 +565,10 @@ class DSparkEngine:
         adapt_sps: under the scheduler, price the padded widths already run at the current batch size by their
             measured verify time instead of the profile (default: True when the engine profiles the target itself,
             ``sps=None``; an SPS passed in is used as given unless this is True).
+        confidence_prior: under the scheduler, a joining request starts from the mean confidences of every draft so
+            far (when there are any) instead of drafting at once: it drafts when those predict a budget (and the
+            cost gate agrees), else it first probes after ``probe_interval`` steps. Short requests do not pay a
+            drafter forward each just to learn what the others already show.
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
@@ -573,7 +577,7 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
-                 online_correction: bool = True, adapt_sps: bool | None = None,
+                 online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -613,8 +617,13 @@ class DSparkEngine:
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.cost_aware = cost_aware
+        self.confidence_prior = confidence_prior
         self.correction = (OnlineSurvivalCorrection(self.block_size)
                            if online_correction and method == "scheduled" else None)
+        # Running sum / count of the confidences of every draft so far: a joining request starts from this prior
+        # instead of probing at once (a probe costs a drafter forward that short requests never earn back).
+        self._confidence_sum: torch.Tensor | None = None
+        self._confidence_count = 0
         self._draft_cost: dict[int, float] = {}  # seconds per drafter step, by number of drafting rows (power of 2)
         self._step_cost: dict[tuple[int, int], float] = {}  # measured verify seconds by (rows, block width)
         self._step_version = 0  # bumped on each new measurement: invalidates the repriced tables
@@ -769,6 +778,10 @@ class DSparkEngine:
         self.stats.drafting.append(len(drafting))
         self.stats.verify_tokens.append(sum(lengths))
         self.stats.widths.append(1 + max(lengths))
+        if drafts is not None and drafts.confidences is not None:
+            total = drafts.confidences.detach().float().sum(dim=0).cpu()
+            self._confidence_sum = total if self._confidence_sum is None else self._confidence_sum + total
+            self._confidence_count += len(drafts.rows)
         if self.correction is not None and drafts is not None and drafts.confidences is not None:
             index = torch.tensor(drafts.rows)  # raw survivals: the factors map the drafter's own to the observed
             self.correction.observe(capped_confidences(drafts.confidences.cpu(), torch.tensor(caps)[index]),
@@ -788,6 +801,10 @@ class DSparkEngine:
             joining.append(self._waiting.popleft())
         if not joining:
             return []
+        if self.method == "scheduled" and self.confidence_prior and self._confidence_count:
+            prior = (self._confidence_sum / self._confidence_count).tolist()
+            for request in joining:  # judged by the drafts seen so far until its own first draft
+                request.last_confidences = prior
         started = time.perf_counter()
         events, parts = [], []
         # Shortest prompts first: chunks of similar lengths waste little on right-padding.
