@@ -182,7 +182,10 @@ def test_deferred_drafter_context_matches_eager_projection():
         features = torch.randn(context.num_rows, q, width)
         start = [sum(f.shape[0] for f in h) for h in rows_history]
         positions = torch.tensor(start)[:, None] + torch.arange(q)
-        context.defer(features, positions, counts)
+        if q % 2:  # the concatenated features, or the taps' hidden states one by one (what the engine passes)
+            context.defer(features, positions, counts)
+        else:
+            context.defer(list(features.chunk(len(drafter.target_hidden_states_indices()), dim=-1)), positions, counts)
         for r, n in enumerate(counts):
             rows_history[r].append(features[r, :n])
 

@@ -344,14 +344,17 @@ class DeferredDrafterContext(_ColumnAligned):
         super().append_rows(others)
         self.pending = [p for part in (self, *others) for p in part.pending]
 
-    def defer(self, features: torch.Tensor, positions: torch.Tensor, counts: Sequence[int]) -> None:
-        """Queue the first ``counts[r]`` of row r's features [R, Q, taps * D] at positions [R, Q]."""
+    def defer(self, features: torch.Tensor | Sequence[torch.Tensor], positions: torch.Tensor,
+              counts: Sequence[int]) -> None:
+        """Queue the first ``counts[r]`` of row r's features at positions [R, Q]. ``features``: [R, Q, taps * D], or
+        the taps' hidden states [R, Q, D] each (views are kept; they are concatenated only when projected)."""
+        taps = [features] if isinstance(features, torch.Tensor) else list(features)
         for r, n in enumerate(counts):
             if n:
-                self.pending[r].append((features[r, :n], positions[r, :n]))
+                self.pending[r].append(([t[r, :n] for t in taps], positions[r, :n]))
 
     def num_pending(self, row: int) -> int:
-        return sum(p.shape[0] for p, _ in self.pending[row])
+        return sum(p.shape[0] for _, p in self.pending[row])
 
     def flush(self, drafter, rows: Sequence[int]) -> None:
         """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
@@ -360,8 +363,7 @@ class DeferredDrafterContext(_ColumnAligned):
         if not todo:
             return
         device = self.valid.device
-        features = [torch.cat([f for f, _ in self.pending[r]]) if len(self.pending[r]) > 1 else self.pending[r][0][0]
-                    for r in todo]
+        features = [torch.cat([torch.cat(taps, dim=-1) for taps, _ in self.pending[r]]) for r in todo]
         positions = [torch.cat([p for _, p in self.pending[r]]) if len(self.pending[r]) > 1 else self.pending[r][0][1]
                      for r in todo]
         counts = torch.tensor([f.shape[0] for f in features], device=device)
@@ -868,8 +870,7 @@ class DSparkEngine:
         context = None
         if self.drafter is not None:
             context = DeferredDrafterContext(self.drafter, len(requests), self.device)
-            features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)
-            context.defer(features, positions, lengths)
+            context.defer([out.hidden_states[i] for i in self._taps], positions, lengths)
         return RaggedBatchCache(cache, valid), context
 
     # --------------------------------------------------------------------------------------------------------------
@@ -1108,8 +1109,7 @@ class DSparkEngine:
             accepted[sel], next_tokens[sel] = a, t
 
         if self.drafter is not None:  # the verified positions' features wait until the request drafts again
-            features = torch.cat([out.hidden_states[i] for i in self._taps], dim=-1)  # [R, Q, taps * D]
-            self._context.defer(features, positions, (accepted + 1).tolist())
+            self._context.defer([out.hidden_states[i] for i in self._taps], positions, (accepted + 1).tolist())
         # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()
