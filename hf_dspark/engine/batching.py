@@ -364,8 +364,7 @@ class DeferredDrafterContext(_ColumnAligned):
             return
         device = self.valid.device
         features = [torch.cat([torch.cat(taps, dim=-1) for taps, _ in self.pending[r]]) for r in todo]
-        positions = [torch.cat([p for _, p in self.pending[r]]) if len(self.pending[r]) > 1 else self.pending[r][0][1]
-                     for r in todo]
+        positions = [torch.cat([p for _, p in self.pending[r]]) for r in todo]
         counts = torch.tensor([f.shape[0] for f in features], device=device)
         features = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
         positions = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)
@@ -998,9 +997,11 @@ class DSparkEngine:
         row) were certain (confidences 1 within the caps, the other rows not drafting). When not, drafting those
         rows is pointless whatever the drafter says (the batch is too large for verification to pay on this
         hardware), and they skip even their probes."""
-        certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
-        if rows is not None:
-            certain[[i for i in range(caps.shape[0]) if i not in set(rows)]] = 0.0
+        if rows is None:
+            certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
+        else:
+            certain = torch.zeros(caps.shape[0], self.block_size, device=self.device)
+            certain[list(rows)] = 1.0
         schedule = "prefix" if self.schedule == "topk" else self.schedule  # top-K pays R + K tokens, as "prefix"
         return bool(schedule_batch(certain, caps, table, schedule).any())
 
@@ -1024,8 +1025,7 @@ class DSparkEngine:
         """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
         context caches, then left-to-right sampling per group of equal sampling parameters."""
         drafter, g = self.drafter, self.block_size
-        self._context.flush(drafter, rows)  # pending target features become context K/V (step() already did)
-        context, valid = self._context.rows_view(rows)
+        context, valid = self._context.rows_view(rows)  # step() flushed the rows' pending features
         anchors = torch.tensor([self._rows[i].anchor for i in rows], device=self.device)
         positions = torch.tensor([self._rows[i].length for i in rows], device=self.device)[:, None] + torch.arange(
             g, device=self.device)
