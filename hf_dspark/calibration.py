@@ -191,22 +191,44 @@ def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
 
 
 def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_tokens: int = 128,
-                     temperature: float = 0.0, seed: int = 0, progress: bool = True) -> Rollouts:
-    """Speculative-decoding rollouts verifying the WHOLE block every round (so every position is observed)."""
+                     temperature: float = 0.0, seed: int = 0, progress: bool = True, concurrency: int = 1) -> Rollouts:
+    """Speculative-decoding rollouts verifying the WHOLE block every round (so every position is observed).
+
+    ``concurrency`` 1 runs ``generate()`` prompt by prompt; above 1 the batched engine (``method="fixed"``) serves
+    that many prompts at once, which is several times faster on a CPU and records the same per-round events."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
+                                             add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"] for record in records]
+    rollouts = Rollouts()
+    if concurrency > 1:
+        from tqdm.auto import tqdm
+
+        from .engine import DSparkEngine, SamplingParams
+
+        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                                temperature=temperature if temperature > 0 else 1.0)
+        engine = DSparkEngine(target, drafter, method="fixed", max_concurrency=concurrency, seed=seed)
+        ids = [engine.add_request(prompt[0].tolist(), params) for prompt in prompts]
+        with tqdm(total=len(ids), desc="calibration rollouts", disable=not progress) as bar:
+            for event in engine.stream():
+                bar.update(int(event.finished))
+        for request_id in ids:  # prompt order, so a run is reproducible whatever order requests finish in
+            rollouts.extend_from_stats(engine.outputs[request_id].stats)
+        return rollouts
+
     from tqdm.auto import tqdm
 
     saved = (drafter.generation_config.verification_policy, getattr(drafter.generation_config, "num_verify_tokens", None))
     drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = "fixed", None
-    rollouts = Rollouts()
     try:
-        for index, record in enumerate(tqdm(records, desc="calibration rollouts", disable=not progress)):
-            inputs = tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
-                                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        for index, input_ids in enumerate(tqdm(prompts, desc="calibration rollouts", disable=not progress)):
             kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, assistant_model=drafter)
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_p=None, top_k=None)
             torch.manual_seed(seed * 100_003 + index)
-            target.generate(**inputs, **kwargs)
+            target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
             rollouts.extend_from_stats(drafter.last_stats)
     finally:
         drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = saved

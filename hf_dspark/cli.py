@@ -206,7 +206,8 @@ def cmd_calibrate(args) -> int:
     random.Random(args.seed).shuffle(records)
     records = records[: args.num_prompts]
     drafter.config.confidence_temperatures = None
-    rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed)
+    rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed,
+                                concurrency=args.concurrency)
     fit = fit_sts(rollouts)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
@@ -215,8 +216,10 @@ def cmd_calibrate(args) -> int:
     dataset = ",".join(sorted({r["set"] for r in records}))
     write_sts(output, fit, dataset)
     reliability_diagram(rollouts, fit["temperatures"], output / "reliability.png")
-    (output / "calibration_report.json").write_text(json.dumps({"fit": fit, "rollouts": rollouts.to_dict(),
-                                                                  "prompts": len(records)}, indent=2))
+    (output / "calibration_report.json").write_text(json.dumps({
+        "fit": fit, "rollouts": rollouts.to_dict(), "prompts": len(records),
+        "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "dtype": args.dtype,
+                     "seed": args.seed, "concurrency": args.concurrency}}, indent=2))
     for k, (t, before, after, auc) in enumerate(zip(fit["temperatures"], fit["ece_before"], fit["ece_after"],
                                                     fit["auc"]), 1):
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
@@ -302,7 +305,7 @@ def cmd_eval(args) -> int:
                    "ablation": ablation_origin, "dtype": args.dtype}
     report = run_eval(target, tokenizer, drafter, args.output, settings, ablation=ablation,
                       num_shards=args.num_shards, shard_index=args.shard_index, description=description,
-                      benchmarks_path=args.benchmarks, phases=args.phases)
+                      benchmarks_path=args.benchmarks, phases=args.phases, concurrency=args.concurrency)
     for t, entry in report["temperatures"].items():
         acc = entry.get("acceptance")
         if acc:
@@ -493,6 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--threads", type=int, default=None)
+    cal.add_argument("--concurrency", type=int, default=16,
+                     help="prompts rolled out at once by the batched engine (1: generate() prompt by prompt)")
     cal.add_argument("--output", required=True, help="folder for the calibrated drafter, sts.json, plot")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -518,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--concurrency", type=int, default=1,
+                    help="quality phase: prompts served at once by the batched engine (several times faster on a CPU; "
+                         "the speed phase always times generate() prompt by prompt)")
     ev.add_argument("--num-shards", type=int, default=None, help="split the work over N processes (default: accelerate's)")
     ev.add_argument("--shard-index", type=int, default=None)
     ev.add_argument("--phases", nargs="+", choices=["quality", "speed"], default=["quality", "speed"],

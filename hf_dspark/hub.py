@@ -162,7 +162,7 @@ def training_text(run: str | Path) -> str:
            "new tokens)") if sampling else ""
     weights = args["loss_weights"]
     sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
-    return "\n".join([
+    lines = [
         f"- Data: the target's own responses{how} to {sum(sets.values())} conversation turns from {len(shards)} "
         f"shards; prompt sets: {', '.join(f'{name} ({n})' for name, n in sets.most_common())}.",
         f"- Budget: {state['step']} steps x {sequences} sequences, {args['num_anchors']} anchors per sequence, "
@@ -171,7 +171,27 @@ def training_text(run: str | Path) -> str:
         f"- Losses (weights {weights['ce']} CE / {weights['tv']} TV / {weights['confidence']} confidence, decay gamma "
         f"{args['gamma']}); final: loss {last['loss']:.3f}, CE {last['ce']:.3f}, TV(L1) {last['tv']:.3f}, "
         f"confidence {last.get('confidence', float('nan')):.3f}, block accuracy {last['accuracy']:.3f}.",
-    ])
+    ]
+    if args.get("init_drafter"):
+        lines.append(_warm_start_text(Path(args["init_drafter"])))
+    return "\n".join(lines)
+
+
+def _warm_start_text(init: Path) -> str:
+    """A card line for a run that started from an earlier drafter (``hf-dspark train --init-drafter``), with that
+    drafter's own budget when its run folder (the drafter's parent) is at hand."""
+    parent = init.parent if init.name == "drafter" else init
+    state_path = parent / "checkpoint-last" / "trainer_state.json"
+    if not state_path.is_file():
+        return f"- Initialised from the drafter `{init}` (its run folder was not found, so its budget is not listed)."
+    state = json.loads(state_path.read_text(encoding="utf-8"))
+    args = state["args"]
+    sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
+    text = (f"- Initialised from an earlier drafter (`{init}`: {state['step']} steps x {sequences} sequences, "
+            f"{args['num_anchors']} anchors per sequence, {len(state['shards'])} shards, lr {args['learning_rate']}).")
+    if args.get("init_drafter"):
+        text += "\n" + _warm_start_text(Path(args["init_drafter"]))
+    return text
 
 
 def _source_folder(drafter: DSparkDrafter) -> Path | None:

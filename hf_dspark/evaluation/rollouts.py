@@ -142,6 +142,57 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
     return results
 
 
+def batched_rollouts(target, tokenizer, records: list[dict], methods: dict[str, dict], max_new_tokens: int = 256,
+                     temperature: float = 0.0, seed: int = 0, multi_turn: bool = True, concurrency: int = 16,
+                     progress: bool = True, desc: str = "") -> list[dict[str, MethodResult]]:
+    """``rollout_record`` for many records at once through the batched engine: each method serves ``concurrency``
+    requests together, turn by turn (turn t of every record once all its turn t-1 answers exist; multi-turn records
+    feed each method its OWN previous answers, as ``rollout_record`` does).
+
+    Only drafting methods with a fixed verification length fit here (``{"assistant": True, "drafter": d,
+    "verification_policy": "fixed", "num_verify_tokens": n or None}``): they record the same per-round events as
+    ``generate()`` and are what the quality analyses need. Timings are not comparable to ``generate()`` (batched), so
+    each result's seconds are the request's own time in the batch. Returns one ``{method: MethodResult}`` per record."""
+    from tqdm.auto import tqdm
+
+    from ..engine import DSparkEngine, SamplingParams
+
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    for name, settings in methods.items():
+        if (not settings.get("assistant") or settings.get("drafter") is None
+                or settings.get("verification_policy", "fixed") != "fixed"
+                or set(settings) - {"assistant", "drafter", "verification_policy", "num_verify_tokens"}):
+            raise ValueError(f"method {name!r}: batched rollouts run drafting methods with a fixed verification "
+                             f"length and an explicit drafter only, got {sorted(settings)}")
+    params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                            temperature=temperature if temperature > 0 else 1.0)
+    turns = [r["turns"] if multi_turn else r["turns"][:1] for r in records]
+    results = [{name: MethodResult() for name in methods} for _ in records]
+    total = len(methods) * sum(len(t) for t in turns)
+    with tqdm(total=total, desc=desc or "rollouts", unit="turn", disable=not progress) as bar:
+        for m, (name, settings) in enumerate(methods.items()):
+            histories: list[list[dict]] = [[] for _ in records]
+            for turn_index in range(max(len(t) for t in turns)):
+                engine = DSparkEngine(target, settings["drafter"], method="fixed",
+                                      num_verify_tokens=settings.get("num_verify_tokens"),
+                                      max_concurrency=concurrency, seed=seed * 1_000_003 + 1000 * m + turn_index)
+                waiting: dict[str, tuple[int, list[dict]]] = {}
+                for i, record_turns in enumerate(turns):
+                    if turn_index < len(record_turns):
+                        messages = histories[i] + [{"role": "user", "content": record_turns[turn_index]}]
+                        prompt = chat_inputs(tokenizer, messages)["input_ids"][0].tolist()
+                        waiting[engine.add_request(prompt, params)] = (i, messages)
+                for event in engine.stream():
+                    bar.update(int(event.finished))
+                for request_id, (i, messages) in waiting.items():
+                    out = engine.outputs[request_id]
+                    results[i][name].add(len(out.token_ids), out.finish_s - out.start_s, out.stats)
+                    answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                    histories[i] = messages + [{"role": "assistant", "content": answer}]
+    return results
+
+
 def summarise(per_method: dict[str, MethodResult], baseline: str | None = None) -> dict[str, dict]:
     """Summaries per method; with a baseline, each gets ``speedup`` = its tokens/s over the baseline's."""
     out = {name: r.summary() for name, r in per_method.items()}
