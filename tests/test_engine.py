@@ -420,6 +420,31 @@ def test_joining_requests_start_from_the_confidence_prior(tiny_targets, trained_
     assert runs["zeros"][:probe + 1] == [0] * probe + [2]
 
 
+def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_drafters):
+    """Whether a request drafts is judged by the moving average of its drafts' confidences: one unconfident draft
+    after confident ones keeps it drafting under the default smoothing, and stops it with smoothing 1 (the last
+    draft alone). The top-K capacity keeps reading the last draft's confidences."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    g = drafter.config.block_size
+    for smoothing, drafts in ((0.1, True), (1.0, False)):
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+                              probe_interval=64, max_probe_interval=64, confidence_smoothing=smoothing,
+                              online_correction=False)
+        engine.add_request(in_distribution_prompts(target, 1)[0], SamplingParams(max_new_tokens=30))
+        engine.step()
+        request = engine._rows[0]
+        request.last_confidences = request.smoothed_confidences = [0.9] * g
+        request.idle_steps = 0
+        request.smoothed_confidences = engine._smoothed(request.smoothed_confidences, [0.01] * g)
+        request.last_confidences = [0.01] * g
+        assert request.smoothed_confidences[0] == pytest.approx((1 - smoothing) * 0.9 + smoothing * 0.01)
+        caps = [min(g, r.remaining - 1) for r in engine._rows]
+        assert (engine._drafting_rows(caps, None) == [0]) is drafts
+        assert engine._stale_confidences()[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
+    with pytest.raises(ValueError, match="confidence_smoothing"):
+        DSparkEngine(target, drafter, method="scheduled", confidence_smoothing=1.5)
+
+
 def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_drafters):
     """Verification is free (flat SPS) but the drafter is (made) far too slow: with ``cost_aware`` the requests
     draft only when a probe is due; without it they draft every step. Outputs equal plain greedy either way."""

@@ -249,6 +249,26 @@ def test_policy_skips_drafting_when_the_drafter_costs_too_much():
     assert policy.should_draft(2, draft_seconds=0.1)  # a probe is due
 
 
+def test_policy_skip_decision_smooths_the_drafts_confidences():
+    """One unconfident draft after many confident ones does not stop drafting under the default moving average;
+    with ``confidence_smoothing=1`` (the last draft alone) it does. A run of unconfident drafts stops it either way."""
+    sps = StepsPerSecond([1, 2, 3], [10.0, 8.0, 6.0])  # a draft pays when a_1 > 0.25
+
+    def feed(policy, values):
+        for value in values:
+            policy.num_to_verify(torch.tensor([value, 0.0]), 2)
+            policy.observe(0, 0)
+
+    smooth, last = (PrefixSchedulerPolicy(sps, online_correction=False, confidence_smoothing=c) for c in (0.1, 1.0))
+    for policy in (smooth, last):
+        feed(policy, [0.8] * 10 + [0.1])
+    assert smooth.should_draft(2) and not last.should_draft(2)
+    feed(smooth, [0.1] * 20)
+    assert not smooth.should_draft(2)
+    with pytest.raises(ValueError, match="confidence_smoothing"):
+        PrefixSchedulerPolicy(sps, confidence_smoothing=0.0)
+
+
 def test_policy_online_correction_learns_overconfidence():
     sps = StepsPerSecond([1, 2, 3], [10.0, 8.0, 6.0])
     policy = PrefixSchedulerPolicy(sps, skip_drafting=False)

@@ -500,6 +500,7 @@ class _Request:
     first_token_s: float = 0.0
     finish_reason: str | None = None
     last_confidences: list[float] | None = None  # from the request's last drafting step (or the engine's prior)
+    smoothed_confidences: list[float] | None = None  # moving average of its drafts' (from the prior), for skipping
     idle_steps: int = 0  # consecutive steps without drafting
     probe_wait: int = 0  # idle steps before the next probe (doubles after each probe that verified nothing)
 
@@ -571,6 +572,9 @@ class DSparkEngine:
             far (when there are any) instead of drafting at once: it drafts when those predict a budget (and the
             cost gate agrees), else it first probes after ``probe_interval`` steps. Short requests do not pay a
             drafter forward each just to learn what the others already show.
+        confidence_smoothing: under the scheduler, a request's skip decisions use a moving average of its drafts'
+            confidences (starting from the prior when there is one), the newest weighted by this; 1 uses its last
+            draft alone (see ``PrefixSchedulerPolicy``).
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
@@ -580,7 +584,7 @@ class DSparkEngine:
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
-                 max_prefill_tokens: int = 16384, seed: int = 0):
+                 confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -596,6 +600,8 @@ class DSparkEngine:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         if max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
+        if not 0.0 < confidence_smoothing <= 1.0:
+            raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         self.target = target
         self.device = next(target.parameters()).device
         self.method = method
@@ -620,6 +626,7 @@ class DSparkEngine:
         self.max_probe_interval = max_probe_interval
         self.cost_aware = cost_aware
         self.confidence_prior = confidence_prior
+        self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
                            if online_correction and method == "scheduled" else None)
         # Running sum / count of the confidences of every draft so far: a joining request starts from this prior
@@ -748,6 +755,7 @@ class DSparkEngine:
             request.stats.add_round(self.block_size if drafted else 0, lengths[i], accepted[i],
                                     confidences.get(i), raw.get(i))
             if drafted:
+                request.smoothed_confidences = self._smoothed(request.smoothed_confidences, confidences.get(i))
                 request.last_confidences, request.idle_steps = confidences.get(i), 0
                 # Back off while drafting verifies nothing (a probe that did not pay); reset once drafts are used.
                 request.probe_wait = (self.probe_interval if lengths[i] > 0
@@ -808,7 +816,7 @@ class DSparkEngine:
         if self.method == "scheduled" and self.confidence_prior and self._confidence_count:
             prior = (self._confidence_sum / self._confidence_count).tolist()
             for request in joining:  # judged by the drafts seen so far until its own first draft
-                request.last_confidences = prior
+                request.last_confidences = request.smoothed_confidences = prior
         started = time.perf_counter()
         events, parts = [], []
         # Shortest prompts first: chunks of similar lengths waste little on right-padding.
@@ -947,10 +955,19 @@ class DSparkEngine:
             self._sps_tables[num_requests] = table.to(self.device)
         return self._sps_tables[num_requests]
 
-    def _stale_confidences(self) -> tuple[torch.Tensor, list[bool]]:
-        """Each request's confidences from its last drafting step [R, g] (zeros where unknown), and which are known."""
-        known = [r.last_confidences is not None for r in self._rows]
-        stale = torch.tensor([r.last_confidences if k else [0.0] * self.block_size for r, k in zip(self._rows, known)])
+    def _smoothed(self, previous: list[float] | None, current: list[float] | None) -> list[float] | None:
+        """The moving average behind a request's skip decisions (the last draft alone with smoothing 1)."""
+        if previous is None or current is None or len(previous) != len(current):
+            return current
+        w = self.confidence_smoothing
+        return [(1.0 - w) * p + w * c for p, c in zip(previous, current)]
+
+    def _stale_confidences(self, smoothed: bool = False) -> tuple[torch.Tensor, list[bool]]:
+        """Each request's confidences from its last drafting step [R, g] (zeros where unknown), and which are known;
+        ``smoothed``: the moving average of its drafts' confidences instead (the skip decisions)."""
+        values = [r.smoothed_confidences if smoothed else r.last_confidences for r in self._rows]
+        known = [v is not None for v in values]
+        stale = torch.tensor([v if k else [0.0] * self.block_size for v, k in zip(values, known)])
         if self.correction is not None:
             stale = self.correction.correct(stale)
         return stale.to(self.device), known
@@ -980,7 +997,7 @@ class DSparkEngine:
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
             return []  # not even certain drafts would be verified at this batch size: no draft, no probe
-        stale, known = self._stale_confidences()
+        stale, known = self._stale_confidences(smoothed=True)
         predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
         lengths = predicted.tolist()
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
