@@ -702,3 +702,23 @@ def test_online_survival_correction():
     assert ((corrected >= 0) & (corrected <= 1)).all()
     # With the default prior, a fresh correction changes nothing.
     assert torch.allclose(OnlineSurvivalCorrection(3).correct(conf), conf)
+
+
+def test_prefill_chunks_bound_padding():
+    """Joining prompts are prefilled in length-sorted groups: within the padded-token cap, and a group holding
+    enough real tokens closes before padding would exceed a quarter of it."""
+    from hf_dspark.engine.batching import _chunks, _Request
+
+    def requests(lengths):
+        return [_Request(str(i), [1] * n, SamplingParams(), frozenset(), None, 0.0) for i, n in enumerate(lengths)]
+
+    lengths = sorted([20, 25, 30, 40, 60, 90, 120, 200, 210, 211] * 6)
+    chunks = [[len(r.prompt_ids) for r in c] for c in _chunks(requests(lengths), 16384, min_tokens=512)]
+    assert [n for c in chunks for n in c] == lengths  # every prompt once, in order
+    for c in chunks:
+        padded, real = max(c) * len(c), sum(c)
+        assert padded <= 16384
+        assert padded - real <= 0.25 * padded or real - c[-1] < 512  # closed as soon as it held enough tokens
+    assert sum(max(c) * len(c) for c in chunks) < 1.3 * sum(lengths)  # one batch would pad to 2.4x
+    assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([50] * 10), 16384)] == [[50] * 10]
+    assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([100, 100, 300]), 250)] == [[100, 100], [300]]
