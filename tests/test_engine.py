@@ -722,3 +722,34 @@ def test_prefill_chunks_bound_padding():
     assert sum(max(c) * len(c) for c in chunks) < 1.3 * sum(lengths)  # one batch would pad to 2.4x
     assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([50] * 10), 16384)] == [[50] * 10]
     assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([100, 100, 300]), 250)] == [[100, 100], [300]]
+
+
+def test_leaving_rows_are_filled_from_the_tail():
+    """A request leaving the batch moves a tail row into its place (a few rows copied, the rest a narrowed view);
+    the result equals a full gather in that order, and any other order still gathers."""
+    from transformers import DynamicCache
+
+    from hf_dspark.engine.batching import RaggedBatchCache, tail_filled_order
+
+    assert tail_filled_order([0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert tail_filled_order([0, 2, 4, 5]) == [0, 4, 2, 5]
+    assert tail_filled_order([3, 4]) == [3, 4] and tail_filled_order([]) == []
+    gen = torch.Generator().manual_seed(0)
+
+    def cache_with(keys_values, valid):
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(keys_values):
+            cache.update(k.clone(), v.clone(), layer)
+        return RaggedBatchCache(cache, valid.clone())
+
+    kv = [(torch.randn(6, 2, 5, 3, generator=gen), torch.randn(6, 2, 5, 3, generator=gen)) for _ in range(2)]
+    valid = torch.rand(6, 5, generator=gen) > 0.3
+    for keep in ([0, 2, 4, 5], [1, 2, 3], [5], [0, 1, 2, 3, 4, 5]):
+        for order in (tail_filled_order(keep), sorted(keep, reverse=True)):
+            fast = cache_with(kv, valid)
+            fast.select_rows(torch.tensor(order))
+            index = torch.tensor(order)
+            for layer, (k, v) in zip(fast.target_cache.layers, kv):
+                assert torch.equal(layer.keys, k.index_select(0, index))
+                assert torch.equal(layer.values, v.index_select(0, index))
+            assert torch.equal(fast.valid, valid.index_select(0, index))

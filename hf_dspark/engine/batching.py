@@ -235,7 +235,26 @@ class _ColumnAligned:
             raise RuntimeError(f"ragged cache out of step: tensor widths {sorted(widths)}, mask width {self.width}")
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (requests leaving the batch drop out)."""
+        """Keep only ``rows``, in that order (requests leaving the batch drop out).
+
+        When ``rows`` keeps every surviving row of the first ``n = len(rows)`` in place and fills the others with rows
+        from the tail (``tail_filled_order``), only those rows are copied and the tensors are narrowed to ``n`` (a
+        view): a request finishing in a batch of R no longer costs a gather of all R rows of every cache tensor."""
+        n = rows.numel()
+        positions = torch.arange(n, device=rows.device)
+        moved = rows != positions
+        if bool((rows[moved] >= n).all()):
+            dst, src = positions[moved], rows[moved]
+            tensors = []
+            for t in self._tensors():
+                if dst.numel():
+                    t[dst] = t.index_select(0, src)
+                tensors.append(t[:n])
+            self._assign(tensors)
+            if dst.numel():
+                self.valid[dst] = self.valid.index_select(0, src)
+            self.valid = self.valid[:n]
+            return
         self._assign([t.index_select(0, rows) for t in self._tensors()])
         self.valid = self.valid.index_select(0, rows)
 
@@ -772,9 +791,10 @@ class DSparkEngine:
             else:
                 keep.append(i)
         if len(keep) < len(rows):
-            self._rows = [rows[i] for i in keep]
+            order = tail_filled_order(keep)
+            self._rows = [rows[i] for i in order]
             if keep:
-                index = torch.tensor(keep, device=self.device)
+                index = torch.tensor(order, device=self.device)
                 self._cache.select_rows(index)
                 if self._context is not None:
                     self._context.select_rows(index)
@@ -1142,6 +1162,15 @@ class DSparkEngine:
 def _bucket(rows: int) -> int:
     """Power-of-two bucket of a number of drafting rows (the drafter's cost is tracked per bucket)."""
     return 1 << max(0, (rows - 1).bit_length())
+
+
+def tail_filled_order(keep: Sequence[int]) -> list[int]:
+    """The new row order when only ``keep`` (ascending row indices) stay: rows already among the first ``len(keep)``
+    keep their place, and the holes there are filled by the kept rows beyond (so leaving copies a few rows only)."""
+    n = len(keep)
+    tail = iter([i for i in keep if i >= n])
+    kept = set(keep)
+    return [i if i in kept else next(tail) for i in range(n)]
 
 
 def _chunks(requests: list[_Request], max_tokens: int, min_tokens: int = 1024,
