@@ -19,29 +19,43 @@ DEFAULT_TEMPERATURE_GRID = torch.logspace(-1.3, 1.3, 131).tolist()  # 0.05 .. 20
 
 @dataclass
 class Rollouts:
-    """Per round: raw confidence logits [g], verified count, accepted count."""
+    """Per round: raw confidence logits [g], verified count, accepted count, and the index of the prompt the round
+    came from (rounds of one prompt are correlated, so held-out splits keep them together)."""
 
     confidence_logits: list[list[float]] = field(default_factory=list)
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    prompts: list[int] = field(default_factory=list)
 
-    def extend_from_stats(self, stats) -> None:
+    def extend_from_stats(self, stats, prompt: int | None = None) -> None:
+        """Append the rounds of one prompt (``stats``: anything with ``confidence_logits``/``verified``/``accepted``
+        lists, e.g. ``DSparkStats`` or an evaluation ``MethodResult``); ``prompt`` defaults to a new index."""
+        if prompt is None:
+            prompt = (max(self.prompts) + 1) if self.prompts else 0
         for logits, v, a in zip(stats.confidence_logits, stats.verified, stats.accepted):
             if logits:
                 self.confidence_logits.append(list(logits))
                 self.verified.append(int(v))
                 self.accepted.append(int(a))
+                self.prompts.append(int(prompt))
 
     def tensors(self):
         return (torch.tensor(self.confidence_logits, dtype=torch.float64), torch.tensor(self.verified),
                 torch.tensor(self.accepted))
 
+    def subset(self, rows) -> "Rollouts":
+        rows = list(rows)
+        return Rollouts([self.confidence_logits[i] for i in rows], [self.verified[i] for i in rows],
+                        [self.accepted[i] for i in rows], [self.prompts[i] for i in rows] if self.prompts else [])
+
     def to_dict(self):
-        return {"confidence_logits": self.confidence_logits, "verified": self.verified, "accepted": self.accepted}
+        return {"confidence_logits": self.confidence_logits, "verified": self.verified, "accepted": self.accepted,
+                "prompts": self.prompts}
 
     @classmethod
     def from_dict(cls, data):
-        return cls(data["confidence_logits"], data["verified"], data["accepted"])
+        """Also reads reports written before rounds carried their prompt index (``prompts`` then stays empty)."""
+        return cls(data["confidence_logits"], data["verified"], data["accepted"], data.get("prompts", []))
 
 
 def expected_calibration_error(probs: torch.Tensor, events: torch.Tensor, num_bins: int = 15) -> float:
@@ -123,6 +137,46 @@ def fit_sts(rollouts: Rollouts, grid: list[float] | None = None, num_bins: int =
     return {"temperatures": temperatures, **report}
 
 
+def cross_validated_sts(rollouts: Rollouts, folds: int = 5, seed: int = 0, grid: list[float] | None = None,
+                        num_bins: int = 15) -> dict:
+    """Held-out ECE of STS by k-fold cross-validation over PROMPTS: each fold's rounds are scored with temperatures
+    fitted on the other folds, and ECE per position is taken over all out-of-fold predictions (so the estimate uses
+    every round, none of them seen by the fit that scores it). Returns ``ece_before``/``ece_after`` per position,
+    the per-fold temperatures, and the number of prompts."""
+    if folds < 2:
+        raise ValueError(f"cross-validation needs at least 2 folds, got {folds}")
+    if not rollouts.prompts or len(rollouts.prompts) != len(rollouts.verified):
+        raise ValueError("cross-validation needs each round's prompt index (rollouts.prompts); "
+                         "collect the rollouts again with this version")
+    prompt_ids = sorted(set(rollouts.prompts))
+    if len(prompt_ids) < folds:
+        raise ValueError(f"{folds} folds need at least {folds} prompts with rounds, got {len(prompt_ids)}")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(prompt_ids), generator=generator).tolist()
+    fold_of = {prompt_ids[p]: i % folds for i, p in enumerate(order)}
+    logits, verified, accepted = rollouts.tensors()
+    round_fold = torch.tensor([fold_of[p] for p in rollouts.prompts])
+    calibrated = torch.empty_like(logits)
+    fold_temperatures = []
+    for fold in range(folds):
+        held = (round_fold == fold).nonzero().flatten()
+        train = (round_fold != fold).nonzero().flatten().tolist()
+        temperatures = fit_sts(rollouts.subset(train), grid, num_bins)["temperatures"]
+        fold_temperatures.append(temperatures)
+        calibrated[held] = prefix_survival(logits[held], temperatures)
+    raw = prefix_survival(logits)
+    out = {"folds": folds, "prompts": len(prompt_ids), "fold_temperatures": fold_temperatures,
+           "ece_before": [], "ece_after": []}
+    for k in range(1, logits.shape[1] + 1):
+        rows = verified >= k
+        events = accepted[rows] >= k
+        empty = not bool(rows.any())
+        out["ece_before"].append(None if empty else expected_calibration_error(raw[rows, k - 1], events, num_bins))
+        out["ece_after"].append(None if empty else expected_calibration_error(calibrated[rows, k - 1], events,
+                                                                              num_bins))
+    return out
+
+
 def sts_json(fit: dict, dataset: str) -> dict:
     """The ``sts.json`` serving engines read."""
     valid_before = [e for e in fit["ece_before"] if e is not None]
@@ -138,6 +192,8 @@ def sts_json(fit: dict, dataset: str) -> dict:
         "ece_before_per_position": fit["ece_before"],
         "ece_after_per_position": fit["ece_after"],
         "auc_per_position": fit["auc"],
+        **({"ece_heldout_per_position": fit["cross_validation"]["ece_after"],
+            "heldout_folds": fit["cross_validation"]["folds"]} if "cross_validation" in fit else {}),
     }
 
 
@@ -190,36 +246,61 @@ def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
     return path
 
 
+def choose_calibration_prompts(records: list[dict], num_prompts: int, sampling: str = "balanced",
+                               seed: int = 0) -> list[dict]:
+    """Pick ``num_prompts`` calibration records. ``"shuffled"``: a uniform random sample (big sets dominate);
+    ``"balanced"``: round-robin over the sets (``record["set"]``) in random order within each, so every set gives
+    the same number of prompts until the smaller ones run out."""
+    import random
+
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    if sampling == "shuffled":
+        records = list(records)
+        rng.shuffle(records)
+        return records[:num_prompts]
+    if sampling != "balanced":
+        raise ValueError(f"unknown sampling {sampling!r}: expected 'balanced' or 'shuffled'")
+    by_set: dict[str, list[dict]] = {}
+    for record in records:
+        by_set.setdefault(record["set"], []).append(record)
+    for members in by_set.values():
+        rng.shuffle(members)
+    chosen: list[dict] = []
+    for i in range(max((len(m) for m in by_set.values()), default=0)):
+        for name in sorted(by_set):
+            if i < len(by_set[name]) and len(chosen) < num_prompts:
+                chosen.append(by_set[name][i])
+    return chosen
+
+
 def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_tokens: int = 128,
                      temperature: float = 0.0, seed: int = 0, progress: bool = True, concurrency: int = 1) -> Rollouts:
-    """Speculative-decoding rollouts verifying the WHOLE block every round (so every position is observed).
+    """Speculative-decoding rollouts of each record's first turn, verifying the WHOLE block every round (so every
+    position is observed). Rounds carry their record's index in ``records``.
 
     ``concurrency`` 1 runs ``generate()`` prompt by prompt; above 1 the batched engine (``method="fixed"``) serves
     that many prompts at once, which is several times faster on a CPU and records the same per-round events."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
-                                             add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"] for record in records]
     rollouts = Rollouts()
     if concurrency > 1:
-        from tqdm.auto import tqdm
+        from .evaluation.rollouts import batched_rollouts
 
-        from .engine import DSparkEngine, SamplingParams
-
-        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                temperature=temperature if temperature > 0 else 1.0)
-        engine = DSparkEngine(target, drafter, method="fixed", max_concurrency=concurrency, seed=seed)
-        ids = [engine.add_request(prompt[0].tolist(), params) for prompt in prompts]
-        with tqdm(total=len(ids), desc="calibration rollouts", disable=not progress) as bar:
-            for event in engine.stream():
-                bar.update(int(event.finished))
-        for request_id in ids:  # prompt order, so a run is reproducible whatever order requests finish in
-            rollouts.extend_from_stats(engine.outputs[request_id].stats)
+        methods = {"whole block": {"assistant": True, "drafter": drafter, "verification_policy": "fixed"}}
+        results = batched_rollouts(target, tokenizer, records, methods, max_new_tokens, temperature, seed,
+                                   multi_turn=False, concurrency=concurrency, progress=progress,
+                                   desc="calibration rollouts")
+        for index, per_method in enumerate(results):
+            rollouts.extend_from_stats(per_method["whole block"], prompt=index)
         return rollouts
 
     from tqdm.auto import tqdm
 
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": record["turns"][0]}],
+                                             add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"] for record in records]
     saved = (drafter.generation_config.verification_policy, getattr(drafter.generation_config, "num_verify_tokens", None))
     drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = "fixed", None
     try:
@@ -229,7 +310,7 @@ def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_to
                 kwargs.update(temperature=temperature, top_p=None, top_k=None)
             torch.manual_seed(seed * 100_003 + index)
             target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-            rollouts.extend_from_stats(drafter.last_stats)
+            rollouts.extend_from_stats(drafter.last_stats, prompt=index)
     finally:
         drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = saved
     return rollouts

@@ -183,12 +183,20 @@ def cmd_bench(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Sequential Temperature Scaling on held-out rollouts; writes the calibrated drafter, sts.json, a plot."""
-    import random
     from pathlib import Path
 
     import hf_dspark  # noqa: F401
 
-    from .calibration import collect_rollouts, fit_sts, reliability_diagram, write_sts
+    from collections import Counter
+
+    from .calibration import (
+        choose_calibration_prompts,
+        collect_rollouts,
+        cross_validated_sts,
+        fit_sts,
+        reliability_diagram,
+        write_sts,
+    )
     from .defaults import load_drafter_for
     from .prompts import load_prompts
 
@@ -203,12 +211,13 @@ def cmd_calibrate(args) -> int:
 
         excluded |= {r["id"] for r in iter_regenerated(folder)}
     records = [r for r in records if r["id"] not in excluded]
-    random.Random(args.seed).shuffle(records)
-    records = records[: args.num_prompts]
+    records = choose_calibration_prompts(records, args.num_prompts, args.sampling, args.seed)
     drafter.config.confidence_temperatures = None
     rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed,
                                 concurrency=args.concurrency)
     fit = fit_sts(rollouts)
+    if args.cv_folds:
+        fit["cross_validation"] = cross_validated_sts(rollouts, args.cv_folds, seed=args.seed)
     output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     drafter.config.confidence_temperatures = fit["temperatures"]
@@ -219,11 +228,16 @@ def cmd_calibrate(args) -> int:
     (output / "calibration_report.json").write_text(json.dumps({
         "fit": fit, "rollouts": rollouts.to_dict(), "prompts": len(records),
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "dtype": args.dtype,
-                     "seed": args.seed, "concurrency": args.concurrency}}, indent=2))
-    for k, (t, before, after, auc) in enumerate(zip(fit["temperatures"], fit["ece_before"], fit["ece_after"],
-                                                    fit["auc"]), 1):
-        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
-        print(f"position {k}: T={t:.3f} ECE {fmt(before)} -> {fmt(after)} AUC {fmt(auc)} n={fit['num_samples'][k-1]}")
+                     "seed": args.seed, "concurrency": args.concurrency, "sampling": args.sampling,
+                     "cv_folds": args.cv_folds},
+        "sets": dict(sorted(Counter(r["set"] for r in records).items()))}, indent=2))
+    fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+    heldout = fit.get("cross_validation", {}).get("ece_after") or [None] * len(fit["temperatures"])
+    for k, (t, before, after, cv, auc) in enumerate(zip(fit["temperatures"], fit["ece_before"], fit["ece_after"],
+                                                        heldout, fit["auc"]), 1):
+        cv_text = f" (held out {fmt(cv)})" if args.cv_folds else ""
+        print(f"position {k}: T={t:.3f} ECE {fmt(before)} -> {fmt(after)}{cv_text} AUC {fmt(auc)} "
+              f"n={fit['num_samples'][k-1]}")
     return 0
 
 
@@ -491,6 +505,11 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--prompts", nargs="+", required=True, help="calibration prompts (disjoint from train/eval)")
     cal.add_argument("--exclude", nargs="*", default=None, help="regenerated data folders whose prompts to skip")
     cal.add_argument("--num-prompts", type=int, default=100)
+    cal.add_argument("--sampling", choices=["balanced", "shuffled"], default="balanced",
+                     help="balanced: the same number of prompts from each set (as far as each set allows); "
+                          "shuffled: a uniform sample of all prompts, so big sets dominate")
+    cal.add_argument("--cv-folds", type=int, default=5,
+                     help="report held-out ECE by this many folds over prompts (0: skip)")
     cal.add_argument("--max-new-tokens", type=int, default=128)
     cal.add_argument("--temperature", type=float, default=0.0)
     cal.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

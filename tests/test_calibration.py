@@ -7,6 +7,8 @@ import torch
 
 from hf_dspark.calibration import (
     Rollouts,
+    choose_calibration_prompts,
+    cross_validated_sts,
     expected_calibration_error,
     fit_sts,
     prefix_survival,
@@ -67,6 +69,59 @@ def test_unverified_positions_are_not_counted(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_cross_validated_sts_scores_each_fold_with_the_other_folds_fit():
+    rollouts = synthetic_rollouts(n=3000)
+    rollouts.prompts = [i // 10 for i in range(3000)]  # 300 prompts of 10 rounds each
+    cv = cross_validated_sts(rollouts, folds=3, seed=1)
+    assert cv["prompts"] == 300 and len(cv["fold_temperatures"]) == 3
+    for before, after in zip(cv["ece_before"], cv["ece_after"]):
+        assert after < before
+    assert max(cv["ece_after"]) < 0.04 and cv["ece_before"][0] > 0.05
+    # rebuild the out-of-fold predictions by hand: the fold of each prompt, fitted on the rest
+    generator = torch.Generator().manual_seed(1)
+    order = torch.randperm(300, generator=generator).tolist()
+    fold_of = {p: i % 3 for i, p in enumerate(order)}
+    logits, verified, accepted = rollouts.tensors()
+    predictions = torch.empty_like(logits)
+    for fold in range(3):
+        held = [i for i, p in enumerate(rollouts.prompts) if fold_of[p] == fold]
+        rest = [i for i, p in enumerate(rollouts.prompts) if fold_of[p] != fold]
+        temperatures = fit_sts(rollouts.subset(rest))["temperatures"]
+        assert temperatures == cv["fold_temperatures"][fold]
+        predictions[held] = prefix_survival(logits[held], temperatures)
+    assert cv["ece_after"][1] == pytest.approx(expected_calibration_error(predictions[:, 1], accepted >= 2))
+    assert cv["ece_after"][1] != pytest.approx(fit_sts(rollouts)["ece_after"][1])  # not the in-sample figure
+    payload = sts_json({**fit_sts(rollouts), "cross_validation": cv}, "synthetic")
+    assert payload["ece_heldout_per_position"] == cv["ece_after"] and payload["heldout_folds"] == 3
+
+
+def test_cross_validated_sts_rejects_what_it_cannot_split():
+    rollouts = synthetic_rollouts(n=40)
+    with pytest.raises(ValueError, match="prompt index"):
+        cross_validated_sts(rollouts)
+    rollouts.prompts = [i % 3 for i in range(40)]
+    with pytest.raises(ValueError, match="5 folds need at least 5 prompts"):
+        cross_validated_sts(rollouts, folds=5)
+    with pytest.raises(ValueError, match="at least 2 folds"):
+        cross_validated_sts(rollouts, folds=1)
+    assert Rollouts.from_dict({"confidence_logits": [[0.0]], "verified": [1], "accepted": [0]}).prompts == []
+
+
+def test_calibration_prompts_balanced_across_sets():
+    records = [{"set": name, "id": f"{name}{i}"} for name, size in (("a", 10), ("b", 2), ("c", 5)) for i in range(size)]
+    chosen = choose_calibration_prompts(records, 9, "balanced", seed=3)
+    counts = {name: sum(r["set"] == name for r in chosen) for name in "abc"}
+    assert counts == {"a": 4, "b": 2, "c": 3}
+    assert len({r["id"] for r in chosen}) == 9
+    assert choose_calibration_prompts(records, 9, "balanced", seed=3) == chosen  # reproducible
+    shuffled = choose_calibration_prompts(records, 17, "shuffled", seed=0)
+    assert sorted(r["id"] for r in shuffled) == sorted(r["id"] for r in records)
+    with pytest.raises(ValueError, match="unknown sampling 'stratified'"):
+        choose_calibration_prompts(records, 3, "stratified")
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        choose_calibration_prompts(records, 0)
+
+
 class _ByteChat:
     """A stand-in tokenizer: the chat template is the message's bytes folded into the tiny target's vocabulary."""
 
@@ -90,6 +145,7 @@ def test_batched_rollouts_record_the_same_rounds_as_generate(tiny_targets, train
     batched = collect_rollouts(target, tokenizer, drafter, records, max_new_tokens=12, progress=False, concurrency=2)
     assert len(single.verified) > 3 * 2 and sum(single.accepted) > 0  # the drafter is trained: drafts get accepted
     assert batched.verified == single.verified and batched.accepted == single.accepted
+    assert batched.prompts == single.prompts and set(single.prompts) == {0, 1, 2}
     assert torch.allclose(torch.tensor(batched.confidence_logits), torch.tensor(single.confidence_logits), atol=1e-4)
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         collect_rollouts(target, tokenizer, drafter, records, concurrency=0)

@@ -53,3 +53,30 @@ def test_main_command_generate(capsys, smollm2):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["plain"]["tokens"] == summary["dspark"]["tokens"] == 12
     assert summary["stats"]["rounds"] >= 1
+
+
+def test_calibrate_command_balanced_with_heldout_ece(tmp_path, smollm2):
+    """`hf-dspark calibrate` on the embedded drafter (short form): balanced prompts, batched rollouts, STS fit,
+    cross-validated held-out ECE in sts.json, and a calibrated drafter folder that loads back."""
+    import json
+
+    from hf_dspark.cli import main
+    from hf_dspark.modeling_dspark import DSparkDrafter
+    from tests.helpers import SHARED
+
+    prompts = sorted(str(p) for p in (SHARED / "data" / "train").glob("*.jsonl"))
+    assert len(prompts) >= 2, f"no training prompt sets under {SHARED}"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["calibrate", "--prompts", *prompts, "--num-prompts", str(2 * len(prompts)),
+                     "--max-new-tokens", "16", "--concurrency", "8", "--cv-folds", "2", "--threads", "1",
+                     "--output", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "calibration_report.json").read_text())
+    assert sorted(report["sets"].values()) == [2] * len(prompts)  # balanced: two prompts from every set
+    assert len(set(report["rollouts"]["prompts"])) > 2
+    sts = json.loads((tmp_path / "sts.json").read_text())
+    assert sts["heldout_folds"] == 2 and len(sts["ece_heldout_per_position"]) == len(sts["temperatures"])
+    drafter = DSparkDrafter.from_pretrained(tmp_path)
+    assert drafter.config.confidence_temperatures == sts["temperatures"]

@@ -188,8 +188,9 @@ def batched_rollouts(target, tokenizer, records: list[dict], methods: dict[str, 
                 for request_id, (i, messages) in waiting.items():
                     out = engine.outputs[request_id]
                     results[i][name].add(len(out.token_ids), out.finish_s - out.start_s, out.stats)
-                    answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                    histories[i] = messages + [{"role": "assistant", "content": answer}]
+                    if turn_index + 1 < len(turns[i]):  # the answer is only needed as the next turn's history
+                        answer = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+                        histories[i] = messages + [{"role": "assistant", "content": answer}]
     return results
 
 
