@@ -464,6 +464,64 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
     assert results[True] < 0.4, results
 
 
+def test_realized_gate_decisions():
+    """The realized gate's bookkeeping: drafting is free to go until measured; with drafting measured alone, a plain
+    step every ``explore_interval`` steps; once both are measured, the faster side wins, and a losing drafting side
+    is re-measured every ``explore_interval`` steps."""
+    target = make_target("llama")
+    drafter = make_drafter(target)
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3)
+    assert engine.realized_gate
+    assert engine._realized_allows_drafting(4)
+    engine._record_step(4, True, emitted=8, seconds=0.1)
+    assert engine._realized_allows_drafting(4)  # one drafting step is not a measurement yet
+    engine._record_step(4, True, emitted=8, seconds=0.1)
+    assert engine._realized_allows_drafting(4)  # 2 steps since the last plain one (never): keep drafting
+    engine._record_step(4, True, emitted=8, seconds=0.1)
+    assert not engine._realized_allows_drafting(4)  # 3 steps without a plain one: measure plain now
+    engine._record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
+    assert not engine._realized_allows_drafting(4)
+    assert engine._realized_allows_drafting(8)  # other batch sizes are judged on their own
+    engine._record_step(4, False, emitted=4, seconds=0.04)
+    engine._record_step(4, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
+    engine._record_step(4, True, emitted=16, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 16) / 0.1 = 104 tok/s
+    assert engine._realized_allows_drafting(4)
+    assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
+    assert not DSparkEngine(target, drafter, method="fixed").realized_gate
+    with pytest.raises(ValueError, match="explore_interval must be >= 1"):
+        DSparkEngine(target, drafter, method="scheduled", explore_interval=0)
+
+
+def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_targets, trained_drafters,
+                                                                          monkeypatch):
+    """A cost outside the model of ``cost_aware`` (here: the drafter context's catch-up, made slow) makes drafting
+    steps deliver fewer tokens per second than plain ones: the realized gate then decodes plain (re-measuring
+    drafting now and then); without it every step drafts. Outputs equal plain greedy either way."""
+    import time
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
+    flush = DeferredDrafterContext.flush
+
+    def slow_flush(self, *args, **kwargs):
+        time.sleep(0.05)
+        return flush(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
+    results = {}
+    for gate in (True, False):
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, realized_gate=gate,
+                              explore_interval=3, probe_interval=1)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=64)) for p in prompts]
+        engine.run()
+        for request_id, prompt in zip(ids, prompts):
+            assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 64)
+        results[gate] = sum(engine.stats.drafting) / sum(engine.stats.active)
+    assert results[False] > 0.9
+    assert results[True] < 0.5, results
+
+
 def test_bad_requests_raise(tiny_targets):
     target = tiny_targets["llama"]
     with pytest.raises(ValueError, match="needs a DSpark drafter"):
@@ -753,3 +811,17 @@ def test_leaving_rows_are_filled_from_the_tail():
                 assert torch.equal(layer.keys, k.index_select(0, index))
                 assert torch.equal(layer.values, v.index_select(0, index))
             assert torch.equal(fast.valid, valid.index_select(0, index))
+
+
+def test_bench_method_specs():
+    from hf_dspark.engine.bench import parse_method
+
+    assert parse_method("plain") == {"method": "plain"}
+    assert parse_method("fixed=2") == {"method": "fixed", "num_verify_tokens": 2}
+    assert parse_method("scheduled") == {"method": "scheduled", "schedule": "padded"}
+    assert parse_method("scheduled=ungated") == {"method": "scheduled", "schedule": "padded", "realized_gate": False}
+    assert parse_method("scheduled=topk,ungated") == {"method": "scheduled", "schedule": "topk",
+                                                      "realized_gate": False}
+    for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_method(bad)

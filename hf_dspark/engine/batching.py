@@ -581,6 +581,14 @@ class DSparkEngine:
         cost_aware: under the scheduler, skip drafting in a step when the drafts its requests' previous confidences
             predict would not pay for the drafter's forward (measured as the engine runs): the expected
             ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``.
+        realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
+            per batch size R, moving averages of tokens emitted per second over whole steps (drafter, context
+            catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
+            did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
+            every ``explore_interval`` steps to re-measure; when drafting has only ever been measured at R, one plain
+            step every ``explore_interval`` steps measures the other side. This catches every cost the model in
+            ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so it is lossless.
+        explore_interval: steps between re-measurements for ``realized_gate``.
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
@@ -602,7 +610,7 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
-                 online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
+                 realized_gate: bool = True, explore_interval: int = 16, online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -619,6 +627,8 @@ class DSparkEngine:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         if max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
+        if explore_interval < 1:
+            raise ValueError(f"explore_interval must be >= 1, got {explore_interval}")
         if not 0.0 < confidence_smoothing <= 1.0:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         self.target = target
@@ -644,6 +654,11 @@ class DSparkEngine:
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.cost_aware = cost_aware
+        self.realized_gate = realized_gate and cost_aware and method == "scheduled"
+        self.explore_interval = explore_interval
+        # (rows, drafted) -> [moving average of tokens emitted per step, of seconds per step, steps seen]
+        self._realized: dict[tuple[int, bool], list[float]] = {}
+        self._steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
         self.confidence_prior = confidence_prior
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
@@ -737,6 +752,7 @@ class DSparkEngine:
         if not self._rows:
             return events
         rows = self._rows
+        step_start = time.perf_counter()
         caps = [min(self.block_size, r.remaining - 1) for r in rows]
 
         t0 = time.perf_counter()
@@ -822,7 +838,36 @@ class DSparkEngine:
         self.stats.emitted.append(emitted)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
+        if self.realized_gate:
+            self._record_step(len(rows), bool(drafting), emitted, time.perf_counter() - step_start)
         return events
+
+    def _record_step(self, num_requests: int, drafted: bool, emitted: int, seconds: float) -> None:
+        """What a whole step delivered, for ``realized_gate``."""
+        key = (num_requests, drafted)
+        record = self._realized.get(key)
+        if record is None:
+            self._realized[key] = [float(emitted), seconds, 1]
+        else:
+            record[0] = 0.7 * record[0] + 0.3 * emitted
+            record[1] = 0.7 * record[1] + 0.3 * seconds
+            record[2] += 1
+        self._steps_since[key] = 0
+        other = (num_requests, not drafted)
+        self._steps_since[other] = self._steps_since.get(other, 0) + 1
+
+    def _realized_allows_drafting(self, num_requests: int) -> bool:
+        """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates."""
+        drafting = self._realized.get((num_requests, True))
+        plain = self._realized.get((num_requests, False))
+        if drafting is None or drafting[2] < 2:
+            return True  # drafting not measured here yet: let the model decide
+        if plain is None:
+            # Only drafting measured: one plain step now and then gives the other side of the comparison.
+            return self._steps_since.get((num_requests, False), 0) < self.explore_interval
+        if drafting[0] / drafting[1] >= plain[0] / plain[1]:
+            return True
+        return self._steps_since.get((num_requests, True), 0) >= self.explore_interval  # re-measure drafting
 
     # --------------------------------------------------------------------------------------------------------------
     # Joining: prefill the new requests together (right-padded), then append their rows
@@ -1029,6 +1074,8 @@ class DSparkEngine:
         if not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
+            return []
+        if chosen and self.realized_gate and not self._realized_allows_drafting(len(caps)):
             return []
         return chosen
 

@@ -23,7 +23,8 @@ from .batching import SCHEDULES, DSparkEngine, SamplingParams
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
-    keyword arguments."""
+    keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
+    the engine's realized gate off, to measure what it brings."""
     name, _, value = spec.partition("=")
     if name == "plain" and not value:
         return {"method": "plain"}
@@ -32,11 +33,16 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
             raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None}
     if name == "scheduled":
-        schedule = value or default_schedule
-        if schedule not in SCHEDULES:
-            raise ValueError(f"method {spec!r}: schedule must be one of {SCHEDULES}")
-        return {"method": "scheduled", "schedule": schedule}
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk]")
+        options = [part for part in value.split(",") if part] if value else []
+        ungated = "ungated" in options
+        schedules = [part for part in options if part != "ungated"]
+        if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
+            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated], SCHEDULE one of {SCHEDULES}")
+        kwargs = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
+        if ungated:
+            kwargs["realized_gate"] = False
+        return kwargs
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated]")
 
 
 def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
