@@ -470,7 +470,8 @@ def test_realized_gate_decisions():
     is re-measured every ``explore_interval`` steps."""
     target = make_target("llama")
     drafter = make_drafter(target)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3)
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
+                          max_explore_interval=12)
     assert engine.realized_gate
     assert engine._realized_allows_drafting(4)
     engine._record_step(4, True, emitted=8, seconds=0.1)
@@ -485,12 +486,22 @@ def test_realized_gate_decisions():
     engine._record_step(4, False, emitted=4, seconds=0.04)
     engine._record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
-    engine._record_step(4, True, emitted=16, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 16) / 0.1 = 104 tok/s
-    assert engine._realized_allows_drafting(4)
+    engine._record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next re-measurement waits 6 steps
+    for _ in range(5):
+        engine._record_step(4, False, emitted=4, seconds=0.04)
+        assert not engine._realized_allows_drafting(4)
+    engine._record_step(4, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
+    assert engine._explore_wait[4] == 12
+    engine._record_step(4, True, emitted=8, seconds=0.1)
+    engine._record_step(4, True, emitted=40, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 40) / 0.1 = 176 tok/s
+    assert engine._realized_allows_drafting(4) and engine._explore_wait[4] == 3  # drafting wins: waits reset
     assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
     assert not DSparkEngine(target, drafter, method="fixed").realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
         DSparkEngine(target, drafter, method="scheduled", explore_interval=0)
+    with pytest.raises(ValueError, match="max_explore_interval"):
+        DSparkEngine(target, drafter, method="scheduled", explore_interval=8, max_explore_interval=4)
 
 
 def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_targets, trained_drafters,

@@ -585,10 +585,11 @@ class DSparkEngine:
             per batch size R, moving averages of tokens emitted per second over whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
-            every ``explore_interval`` steps to re-measure; when drafting has only ever been measured at R, one plain
-            step every ``explore_interval`` steps measures the other side. This catches every cost the model in
+            after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
+            time drafting is still the slower; back to ``explore_interval`` once it wins); when drafting has only
+            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. This catches every cost the model in
             ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so it is lossless.
-        explore_interval: steps between re-measurements for ``realized_gate``.
+        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
@@ -610,7 +611,8 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
-                 realized_gate: bool = True, explore_interval: int = 16, online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
+                 realized_gate: bool = True, explore_interval: int = 16, max_explore_interval: int = 256,
+                 online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -629,6 +631,9 @@ class DSparkEngine:
             raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
         if explore_interval < 1:
             raise ValueError(f"explore_interval must be >= 1, got {explore_interval}")
+        if max_explore_interval < explore_interval:
+            raise ValueError(f"max_explore_interval ({max_explore_interval}) must be >= explore_interval "
+                             f"({explore_interval})")
         if not 0.0 < confidence_smoothing <= 1.0:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         self.target = target
@@ -656,6 +661,8 @@ class DSparkEngine:
         self.cost_aware = cost_aware
         self.realized_gate = realized_gate and cost_aware and method == "scheduled"
         self.explore_interval = explore_interval
+        self.max_explore_interval = max_explore_interval
+        self._explore_wait: dict[int, int] = {}  # R -> steps before drafting is re-measured while it loses
         # (rows, drafted) -> [moving average of tokens emitted per step, of seconds per step, steps seen]
         self._realized: dict[tuple[int, bool], list[float]] = {}
         self._steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
@@ -865,9 +872,14 @@ class DSparkEngine:
         if plain is None:
             # Only drafting measured: one plain step now and then gives the other side of the comparison.
             return self._steps_since.get((num_requests, False), 0) < self.explore_interval
+        wait = self._explore_wait.get(num_requests, self.explore_interval)
         if drafting[0] / drafting[1] >= plain[0] / plain[1]:
+            self._explore_wait[num_requests] = self.explore_interval
             return True
-        return self._steps_since.get((num_requests, True), 0) >= self.explore_interval  # re-measure drafting
+        if self._steps_since.get((num_requests, True), 0) < wait:
+            return False
+        self._explore_wait[num_requests] = min(2 * wait, self.max_explore_interval)  # re-measure drafting now
+        return True
 
     # --------------------------------------------------------------------------------------------------------------
     # Joining: prefill the new requests together (right-padded), then append their rows
