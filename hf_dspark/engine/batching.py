@@ -587,8 +587,9 @@ class DSparkEngine:
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins); when drafting has only
-            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. This catches every cost the model in
-            ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so it is lossless.
+            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. This
+            catches every cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps'
+            timings only, so it is lossless.
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
@@ -759,7 +760,6 @@ class DSparkEngine:
         if not self._rows:
             return events
         rows = self._rows
-        step_start = time.perf_counter()
         caps = [min(self.block_size, r.remaining - 1) for r in rows]
 
         t0 = time.perf_counter()
@@ -846,7 +846,7 @@ class DSparkEngine:
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
         if self.realized_gate:
-            self._record_step(len(rows), bool(drafting), emitted, time.perf_counter() - step_start)
+            self._record_step(len(rows), bool(drafting), emitted, time.perf_counter() - t0)
         return events
 
     def _record_step(self, num_requests: int, drafted: bool, emitted: int, seconds: float) -> None:
