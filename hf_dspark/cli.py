@@ -106,7 +106,7 @@ def cmd_train(args) -> int:
         sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
         markov_rank=args.markov_rank, target_layer_ids=layer_ids,
         enable_confidence_head=not args.no_confidence_head, draft_vocab_size=args.draft_vocab_size,
-        max_steps=args.max_steps,
+        confidence_target=args.confidence_target, train_modules=args.train_modules, max_steps=args.max_steps,
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
         mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
@@ -451,6 +451,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--markov-rank", type=int, default=256)
     train.add_argument("--target-layer-ids", default=None, help="comma-separated, reference numbering")
     train.add_argument("--no-confidence-head", action="store_true")
+    train.add_argument("--confidence-target", choices=["sampling", "greedy"], default="sampling",
+                       help="confidence head label: sampling acceptance rate 1 - TV (paper) or greedy argmax match")
+    train.add_argument("--train-modules", nargs="+", default=None, metavar="MODULE",
+                       help="train only these drafter modules (e.g. confidence_head), the rest frozen")
     train.add_argument("--draft-vocab-size", type=int, default=None,
                        help="draft over the N most frequent response tokens (cheap drafting; default: full vocab)")
     train.add_argument("--max-steps", type=int, default=1000)

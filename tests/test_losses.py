@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from hf_dspark.training.losses import build_blocks, dspark_losses, position_weights, sample_anchors
@@ -72,3 +73,22 @@ def test_draft_vocabulary_losses():
     out = dspark_losses(draft, target, labels, valid, None, draft_vocab=torch.tensor([0, 2]))
     assert abs(out["tv"].item() - 1.0) < 1e-5  # |1 - 0.5| + |0 - 0| + 0.5 outside
     assert out["ce"].item() == 0.0  # label outside the draft vocabulary: no CE
+
+
+def test_greedy_confidence_target_is_the_argmax_match():
+    # two positions, V = 3. Position 0: draft argmax 1, target argmax 1 (accepted by greedy verification, although
+    # the distributions differ: soft label 1 - TV < 1). Position 1: draft argmax 0, target argmax 2 (rejected).
+    draft = torch.tensor([[[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]]]])
+    target = torch.tensor([[[[0.0, 1.0, 0.5], [0.0, 0.0, 4.0]]]])
+    labels = torch.tensor([[[1, 2]]])
+    valid = torch.ones(1, 1, 2, dtype=torch.bool)
+    z = torch.tensor([[[0.3, -0.2]]])
+    out = dspark_losses(draft, target, labels, valid, z, gamma=1e9, confidence_target="greedy")
+    expected = (torch.nn.functional.softplus(-z[0, 0, 0]) + torch.nn.functional.softplus(z[0, 0, 1])) / 2
+    assert abs(out["confidence"].item() - expected.item()) < 1e-6
+    soft = dspark_losses(draft, target, labels, valid, z, gamma=1e9)
+    assert abs(soft["confidence"].item() - expected.item()) > 1e-3  # the paper's soft label differs here
+    for other in ("ce", "tv", "accuracy"):
+        assert torch.equal(out[other], soft[other])
+    with pytest.raises(ValueError, match="confidence_target"):
+        dspark_losses(draft, target, labels, valid, z, confidence_target="argmax")

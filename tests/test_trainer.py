@@ -108,3 +108,32 @@ def test_lora_fine_tuning_merges(tiny_targets, tmp_path):
     changed = [n for n in original.state_dict() if not torch.equal(original.state_dict()[n], merged.state_dict()[n])]
     assert any("q_proj" in n for n in changed) and not any("markov" in n for n in changed)
     assert (tmp_path / "lora" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_confidence_head_fine_tune_freezes_the_rest(tiny_targets, tmp_path):
+    import pytest
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    DSparkTrainer(make_args(tmp_path, "base", max_steps=2), target=target).train(progress=False)
+    base = DSparkDrafter.from_pretrained(tmp_path / "base" / "drafter")
+    base.config.confidence_temperatures = [1.5] * base.config.block_size  # as if calibrated
+    base.save_pretrained(tmp_path / "calibrated")
+    args = make_args(tmp_path, "conf", max_steps=3, init_drafter=str(tmp_path / "calibrated"),
+                     confidence_target="greedy", train_modules=["confidence_head"])
+    trainer = DSparkTrainer(args, target=target)
+    trainable = [n for n, p in trainer.drafter.named_parameters() if p.requires_grad]
+    assert trainable and all(n.startswith("confidence_head.") for n in trainable)
+    trainer.train(progress=False)
+    tuned = DSparkDrafter.from_pretrained(tmp_path / "conf" / "drafter")
+    assert tuned.config.confidence_target == "greedy"
+    assert tuned.config.confidence_temperatures is None  # fitted to the old head: dropped
+    changed = {n for n, t in base.state_dict().items() if not torch.equal(t, tuned.state_dict()[n])}
+    assert changed and all(n.startswith("confidence_head.") for n in changed)
+
+    with pytest.raises(ValueError, match="no drafter module named"):
+        DSparkTrainer(make_args(tmp_path, "bad", init_drafter=str(tmp_path / "calibrated"),
+                                train_modules=["confidence"]), target=target)
+    with pytest.raises(ValueError, match="resume with the same settings"):
+        DSparkTrainer(make_args(tmp_path, "conf", max_steps=3, init_drafter=str(tmp_path / "calibrated"),
+                                confidence_target="sampling", train_modules=["confidence_head"]), target=target)

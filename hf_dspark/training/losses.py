@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 DEFAULT_LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "confidence": 1.0}  # the paper's defaults
+CONFIDENCE_TARGETS = ("sampling", "greedy")
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
@@ -109,11 +110,18 @@ def dspark_losses(
     gamma: float = 4.0,
     weights: dict[str, float] | None = None,
     draft_vocab: torch.Tensor | None = None,  # [V_draft] target ids of the draft vocabulary, if any
+    confidence_target: str = "sampling",
 ) -> dict[str, torch.Tensor]:
     """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
-    head against the analytic acceptance rate ``1 - 0.5 * ||p_d - p_t||_1``; each averaged with the per-position
-    decay. With a draft vocabulary, p_d is zero outside it: the target's mass there counts fully in the L1 term,
-    and labels outside it get no CE. Returns the weighted total as ``"loss"`` and each term."""
+    head; each averaged with the per-position decay. With a draft vocabulary, p_d is zero outside it: the target's
+    mass there counts fully in the L1 term, and labels outside it get no CE. Returns the weighted total as
+    ``"loss"`` and each term.
+
+    ``confidence_target`` is what the confidence head learns to predict: ``"sampling"`` (the paper) the analytic
+    acceptance rate of speculative sampling, ``1 - 0.5 * ||p_d - p_t||_1``; ``"greedy"`` the acceptance event of
+    greedy verification, 1 where the draft's argmax is the target's argmax, else 0."""
+    if confidence_target not in CONFIDENCE_TARGETS:
+        raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
     w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
     denom = w.sum().clamp(min=1e-6)
@@ -135,23 +143,27 @@ def dspark_losses(
     l1 = (p_d - p_t).abs().sum(dim=-1) + outside
     out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
     total = weights["ce"] * out["ce"] + weights["tv"] * out["tv"]
-    if confidence_logits is not None:
-        soft_label = (1 - 0.5 * l1).clamp(0, 1).detach()
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
-        out["confidence"] = (bce * w).sum() / denom
-        total = total + weights["confidence"] * out["confidence"]
-    out["loss"] = total
     with torch.no_grad():
         predicted = draft_logits.argmax(-1)
         if draft_vocab is not None:
             predicted = draft_vocab[predicted]
         out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
+    if confidence_logits is not None:
+        if confidence_target == "greedy":
+            label = (predicted == target_logits.argmax(-1)).float()
+        else:
+            label = (1 - 0.5 * l1).clamp(0, 1).detach()
+        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), label, reduction="none")
+        out["confidence"] = (bce * w).sum() / denom
+        total = total + weights["confidence"] * out["confidence"]
+    out["loss"] = total
     return out
 
 
 def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids, loss_mask, num_anchors: int,
                           gamma: float = 4.0, weights: dict[str, float] | None = None,
-                          generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                          generator: torch.Generator | None = None,
+                          confidence_target: str = "sampling") -> dict[str, torch.Tensor]:
     """Losses for one batch given target features.
 
     Args:
@@ -183,4 +195,4 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
         target_logits = lm_head(rows.to(lm_head.weight.dtype))[inverse].view(b, num, g, -1)
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
     return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
-                         draft_vocab=drafter.draft_vocab)
+                         draft_vocab=drafter.draft_vocab, confidence_target=confidence_target)

@@ -63,6 +63,10 @@ class TrainingArguments:
     num_anchors: int = 64
     gamma: float = 4.0
     loss_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LOSS_WEIGHTS))
+    # what the confidence head predicts: "sampling" (the paper's 1 - TV) or "greedy" (argmax match, 0/1)
+    confidence_target: str = "sampling"
+    # train only the parameters under these module names (e.g. ["confidence_head"]); None: all of them
+    train_modules: list[str] | None = None
     mixed_precision: str = "no"  # "no" | "bf16"
     target_dtype: str = "float32"
     seed: int = 0
@@ -184,6 +188,8 @@ class DSparkTrainer:
         self.drafter = self._build_drafter(state)
         self.drafter.attach_target(self.target)
         self.peft_model = self._apply_lora(state) if args.lora else None
+        if args.train_modules:
+            self._freeze_except(args.train_modules)
         self.drafter.train()
         self.shards = state["shards"] if state else list_shards(args.data_dirs)
         self.sequences = load_sequences(self.shards, args.max_length)
@@ -204,7 +210,7 @@ class DSparkTrainer:
         warmup = max(1, int(args.warmup_ratio * args.max_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(warmup, args.max_steps))
         # The whole loss runs inside one module's forward, so data-parallel wrappers see every parameter used.
-        self.loss_module, self.optimizer = self.accelerator.prepare(_LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights), self.optimizer)
+        self.loss_module, self.optimizer = self.accelerator.prepare(_LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights, args.confidence_target), self.optimizer)
         self.step, self.epoch, self.position = 0, 0, 0
         if state:
             self._load_checkpoint(state)
@@ -224,13 +230,30 @@ class DSparkTrainer:
         state = json.loads(path.read_text())
         saved = state["args"]
         for key in ("sequential_head", "block_size", "num_hidden_layers", "markov_rank", "max_steps", "seed",
-                    "batch_size", "gradient_accumulation_steps", "num_anchors"):
+                    "batch_size", "gradient_accumulation_steps", "num_anchors", "confidence_target", "train_modules"):
             if saved.get(key) != getattr(self.args, key):
                 raise ValueError(
                     f"{self.output_dir} holds a run with {key}={saved.get(key)!r}, now {getattr(self.args, key)!r}; "
                     "resume with the same settings or use a new --output"
                 )
         return state
+
+    def _freeze_except(self, modules: list[str]) -> None:
+        """Train only the parameters under ``modules`` (names of the drafter's submodules); freeze the rest."""
+        if self.args.lora:
+            raise ValueError("train_modules and lora both choose what trains: pass one of them")
+        names = {name for name, _ in self.drafter.named_modules() if name}
+        unknown = [m for m in modules if m not in names]
+        if unknown:
+            top = sorted(name for name in names if "." not in name)
+            raise ValueError(f"train_modules: no drafter module named {unknown}; top-level modules are {top}")
+        trained = 0
+        for name, param in self.drafter.named_parameters():
+            param.requires_grad_(any(name == m or name.startswith(m + ".") for m in modules))
+            trained += param.numel() if param.requires_grad else 0
+        if not trained:
+            raise ValueError(f"train_modules {modules} hold no trainable parameters")
+        logger.info("training %d parameters of %s; the rest of the drafter is frozen", trained, modules)
 
     def _apply_lora(self, state: dict | None):
         """Inject LoRA adapters in place (the drafter keeps its class; only adapter weights train)."""
@@ -248,7 +271,14 @@ class DSparkTrainer:
         if state and not self.args.lora:
             return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
         if self.args.init_drafter:
-            return DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
+            drafter = DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
+            if drafter.config.confidence_temperatures is not None and self._trains_confidence_head():
+                # STS temperatures were fitted to the old head; they would miscalibrate the new one.
+                logger.warning("dropping the STS temperatures of %s: the confidence head trains, so they no "
+                               "longer fit it (recalibrate with hf-dspark calibrate)", self.args.init_drafter)
+                drafter.config.confidence_temperatures = None
+            drafter.config.confidence_target = self.args.confidence_target
+            return drafter
         overrides = dict(
             num_hidden_layers=self.args.num_hidden_layers, block_size=self.args.block_size,
             sequential_head=self.args.sequential_head, markov_rank=self.args.markov_rank,
@@ -259,10 +289,17 @@ class DSparkTrainer:
         if self.args.target_layer_ids is not None:
             overrides["target_layer_ids"] = self.args.target_layer_ids
         torch.manual_seed(self.args.seed)
+        overrides["confidence_target"] = self.args.confidence_target
         config = DSparkConfig.for_target(self.target.config, **overrides)
         drafter = DSparkDrafter(config).to(torch.float32)
         init_output_norm_from_target(drafter, self.target)
         return drafter
+
+    def _trains_confidence_head(self) -> bool:
+        if self.args.lora or not self.args.enable_confidence_head:
+            return False
+        modules = self.args.train_modules
+        return not modules or any(m == "confidence_head" or m.startswith("confidence_head.") for m in modules)
 
     def _special_ids(self) -> list[int]:
         ids = []
@@ -403,15 +440,17 @@ class DSparkTrainer:
 
 
 class _LossModule(torch.nn.Module):
-    def __init__(self, drafter: DSparkDrafter, num_anchors: int | None = None, gamma: float = 4.0, weights=None):
+    def __init__(self, drafter: DSparkDrafter, num_anchors: int | None = None, gamma: float = 4.0, weights=None,
+                 confidence_target: str = "sampling"):
         super().__init__()
         self.drafter = drafter
         self.num_anchors, self.gamma, self.weights = num_anchors, gamma, weights
+        self.confidence_target = confidence_target
 
     def forward(self, features, last_hidden, input_ids, loss_mask, generator):
         return drafter_training_step(self.drafter, features, last_hidden, input_ids, loss_mask,
                                      num_anchors=self.num_anchors, gamma=self.gamma, weights=self.weights,
-                                     generator=generator)
+                                     generator=generator, confidence_target=self.confidence_target)
 
 
 def _warmup_cosine(warmup: int, total: int):
