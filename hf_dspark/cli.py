@@ -388,7 +388,7 @@ def cmd_bench_serve(args) -> int:
     report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          schedule=args.schedule, sps=sps, seed=args.seed, repeats=args.repeats,
-                         warmup=not args.no_warmup,
+                         warmup=not args.no_warmup, share_measurements=not args.cold_engines,
                          log=lambda line: print(line, flush=True))
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
@@ -624,6 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run of each method")
+    serve.add_argument("--cold-engines", action="store_true",
+                       help="start every scheduled run from no timings (a fresh server) instead of sharing one "
+                            "method's measurements across its warm-up and runs (a long-lived server)")
     serve.add_argument("--output", default=None, help="write the JSON report here (and the plot next to it)")
     serve.add_argument("--plot", default=None, help="PNG path (default: --output with .png; needs 2+ concurrencies)")
     serve.set_defaults(func=cmd_bench_serve)

@@ -454,7 +454,7 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
     for cost_aware in (True, False):
         engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=4,
                               cost_aware=cost_aware)
-        engine._draft_cost = {b: 10.0 for b in (1, 2, 4, 8)}  # seconds per drafter step: never worth it
+        engine.measurements.draft_cost = {b: 10.0 for b in (1, 2, 4, 8)}  # seconds per drafter step: never worth it
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
         engine.run()
         for request_id, prompt in zip(ids, prompts):
@@ -474,28 +474,28 @@ def test_realized_gate_decisions():
                           max_explore_interval=12)
     assert engine.realized_gate
     assert engine._realized_allows_drafting(4)
-    engine._record_step(4, True, emitted=8, seconds=0.1)
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     assert engine._realized_allows_drafting(4)  # one drafting step is not a measurement yet
-    engine._record_step(4, True, emitted=8, seconds=0.1)
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     assert engine._realized_allows_drafting(4)  # 2 steps since the last plain one (never): keep drafting
-    engine._record_step(4, True, emitted=8, seconds=0.1)
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     assert not engine._realized_allows_drafting(4)  # 3 steps without a plain one: measure plain now
-    engine._record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
     assert not engine._realized_allows_drafting(4)
     assert engine._realized_allows_drafting(8)  # other batch sizes are judged on their own
-    engine._record_step(4, False, emitted=4, seconds=0.04)
-    engine._record_step(4, False, emitted=4, seconds=0.04)
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
-    engine._record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next re-measurement waits 6 steps
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next re-measurement waits 6 steps
     for _ in range(5):
-        engine._record_step(4, False, emitted=4, seconds=0.04)
+        engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
         assert not engine._realized_allows_drafting(4)
-    engine._record_step(4, False, emitted=4, seconds=0.04)
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
-    assert engine._explore_wait[4] == 12
-    engine._record_step(4, True, emitted=8, seconds=0.1)
-    engine._record_step(4, True, emitted=40, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 40) / 0.1 = 176 tok/s
-    assert engine._realized_allows_drafting(4) and engine._explore_wait[4] == 3  # drafting wins: waits reset
+    assert engine.measurements.explore_wait[4] == 12
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
+    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 40) / 0.1 = 176 tok/s
+    assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
     assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
     assert not DSparkEngine(target, drafter, method="fixed").realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
@@ -534,6 +534,53 @@ def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_
         results[gate] = sum(engine.stats.drafting) / sum(engine.stats.active)
     assert results[False] > 0.9
     assert results[True] < 0.5, results
+
+
+def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters, monkeypatch, tmp_path):
+    """What one engine measured (drafting loses at R = 4, through a slow context catch-up) reaches a later engine
+    through a saved ``EngineMeasurements``: the first engine drafts at its first step to find out, the second starts
+    plain at that batch size. Outputs equal plain greedy in both; measurements of another setup are refused."""
+    import time
+
+    from hf_dspark.engine import EngineMeasurements
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
+    flush = DeferredDrafterContext.flush
+
+    def slow_flush(self, *args, **kwargs):
+        time.sleep(0.05)
+        return flush(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
+    monkeypatch.setattr(DSparkEngine, "_drafting_pays", lambda self, *args, **kwargs: True)
+    path = tmp_path / "measurements.json"
+    drafting = []
+    for _ in range(2):
+        measurements = EngineMeasurements.load(path) if path.exists() else None
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
+                              probe_interval=1, measurements=measurements)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=32)) for p in prompts]
+        engine.run()
+        for request_id, prompt in zip(ids, prompts):
+            assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 32)
+        drafting.append(engine.stats.drafting[:3])
+        engine.measurements.save(path)
+    assert drafting[0][0] > 0 and drafting[1] == [0, 0, 0], drafting
+    loaded = EngineMeasurements.load(path)
+    assert loaded.to_dict() == engine.measurements.to_dict()
+    drafting4, plain4 = loaded.realized[(4, True)], loaded.realized[(4, False)]
+    assert drafting4[0] / drafting4[1] < plain4[0] / plain4[1]
+    with pytest.raises(ValueError, match="other conditions.*model"):
+        DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], method="scheduled", measurements=loaded)
+    with pytest.raises(ValueError, match="not an engine measurements file"):
+        EngineMeasurements.from_dict({"key": {}})
+
+
+def test_moving_average():
+    from hf_dspark.engine.measurements import ema
+
+    assert ema(None, 2.0) == 2.0 and ema(1.0, 2.0) == pytest.approx(1.3)
 
 
 def test_bad_requests_raise(tiny_targets):
@@ -676,6 +723,13 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
     assert report["results"]["plain"]["3"]["mean_verify_tokens_per_step"] == 0
     assert report["results"]["fixed"]["3"]["mean_verify_tokens_per_step"] > 3
     assert plot_bench(report, tmp_path / "serve.png").stat().st_size > 0
+    # Each scheduled method's engines shared one set of measurements: steps at both concurrencies are in it.
+    assert set(report["measurements"]) == {"scheduled", "scheduled=topk"}
+    sizes = {rows for rows, _, *_ in report["measurements"]["scheduled"]["realized"]}
+    assert {1, 3} <= sizes
+    cold = bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+                       share_measurements=False, log=lambda line: None)
+    assert cold["measurements"] == {}
 
 
 def test_cli_bench_serve_rejects_unknown_method(capsys):
@@ -718,9 +772,9 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=16)) for p in prompts]
     engine.step()  # prefill + a first step, at the profile's word
     rows = engine.num_active
-    engine._step_cost = {(r, w): 0.01 if w == 1 else 10.0
+    engine.measurements.verify_cost = {(r, w): 0.01 if w == 1 else 10.0
                          for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}
-    engine._step_version += 1  # what a new measurement does: the repriced tables are rebuilt
+    engine.measurements.version += 1  # what a new measurement does: the repriced tables are rebuilt
     table = engine._sps_table(rows)
     assert float(table[rows]) == pytest.approx(100.0) and float(table[2 * rows]) == pytest.approx(0.1)
     before = len(engine.stats.widths)
@@ -739,8 +793,8 @@ def test_unmeasured_widths_priced_from_other_batch_sizes(tiny_targets, trained_d
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True)
     profiled = engine._profiled_table(4).clone()
     assert engine._sps_table(4) is engine._profiled_table(4)  # nothing measured: the profile as is
-    engine._step_cost = {(2, 1): 0.010, (2, 3): 0.030, (8, 1): 0.040, (8, 2): 0.060, (4, 1): 0.020}
-    engine._step_version += 1
+    engine.measurements.verify_cost = {(2, 1): 0.010, (2, 3): 0.030, (8, 1): 0.040, (8, 2): 0.060, (4, 1): 0.020}
+    engine.measurements.version += 1
     table = engine._sps_table(4)
     assert float(table[4]) == pytest.approx(50.0)  # measured at R = 4
     # width 3: nearest R with (R, 3) and (R, 1) is 2, ratio 3 -> 0.06 s; width 2: nearest is 8, ratio 1.5 -> 0.03 s
@@ -749,8 +803,8 @@ def test_unmeasured_widths_priced_from_other_batch_sizes(tiny_targets, trained_d
     assert float(table[16]) == pytest.approx(min(float(profiled[16]), 1 / 0.060))
     assert all(float(table[4 * w]) >= float(table[4 * (w + 1)]) for w in range(1, 5))
     assert engine._sps_table(4) is table  # cached
-    engine._step_cost[(4, 3)] = 0.025  # a cheaper measured price wins at this R
-    engine._step_version += 1
+    engine.measurements.verify_cost[(4, 3)] = 0.025  # a cheaper measured price wins at this R
+    engine.measurements.version += 1
     assert float(engine._sps_table(4)[12]) == pytest.approx(1 / 0.030)  # 1/0.025 capped by width 2's 1/0.030
 
 

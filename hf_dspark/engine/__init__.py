@@ -17,5 +17,8 @@ from .batching import (
     speculative_verify,
     stream_batch,
 )
+from .measurements import EngineMeasurements, measurement_key
 
-from .batching import __all__  # noqa: E402,F401  (one list of the public names, kept in batching.py)
+from .batching import __all__ as _batching_all
+
+__all__ = [*_batching_all, "EngineMeasurements", "measurement_key"]

@@ -52,6 +52,7 @@ from transformers.cache_utils import DynamicLayer
 from ..generation import DSparkStats, is_dspark_drafter
 from ..modeling_dspark import DSparkContextCache
 from ..scheduling import OnlineSurvivalCorrection, StepsPerSecond, dynamic_topk_capacity
+from .measurements import EngineMeasurements, measurement_key
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
@@ -606,6 +607,10 @@ class DSparkEngine:
             draft alone (see ``PrefixSchedulerPolicy``).
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
+        measurements: an ``EngineMeasurements`` holding the drafter, verify and whole-step timings this engine
+            prices its decisions with, and adds to. Pass the same object to several engines (or one loaded from a
+            file) and each starts from what the others measured instead of paying to learn it again; it must come
+            from the same target, drafter, device, dtype and thread count (else ``ValueError``). Default: a fresh one.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
     """
 
@@ -614,7 +619,8 @@ class DSparkEngine:
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
                  realized_gate: bool = True, explore_interval: int = 16, max_explore_interval: int = 256,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
-                 confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384, seed: int = 0):
+                 confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
+                 measurements: EngineMeasurements | None = None, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -663,10 +669,6 @@ class DSparkEngine:
         self.realized_gate = realized_gate and cost_aware and method == "scheduled"
         self.explore_interval = explore_interval
         self.max_explore_interval = max_explore_interval
-        self._explore_wait: dict[int, int] = {}  # R -> steps before drafting is re-measured while it loses
-        # (rows, drafted) -> [moving average of tokens emitted per step, of seconds per step, steps seen]
-        self._realized: dict[tuple[int, bool], list[float]] = {}
-        self._steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
         self.confidence_prior = confidence_prior
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
@@ -675,9 +677,9 @@ class DSparkEngine:
         # instead of probing at once (a probe costs a drafter forward that short requests never earn back).
         self._confidence_sum: torch.Tensor | None = None
         self._confidence_count = 0
-        self._draft_cost: dict[int, float] = {}  # seconds per drafter step, by number of drafting rows (power of 2)
-        self._step_cost: dict[tuple[int, int], float] = {}  # measured verify seconds by (rows, block width)
-        self._step_version = 0  # bumped on each new measurement: invalidates the repriced tables
+        # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
+        self.measurements = EngineMeasurements() if measurements is None else measurements
+        self.measurements.bind(measurement_key(target, self.drafter))
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
@@ -772,19 +774,13 @@ class DSparkEngine:
             self._context.flush(self.drafter, drafting)
             started = time.perf_counter()
             drafts = self._draft(drafting)
-            bucket = _bucket(len(drafting))
-            seconds = time.perf_counter() - started
-            previous = self._draft_cost.get(bucket)
-            self._draft_cost[bucket] = seconds if previous is None else 0.7 * previous + 0.3 * seconds
+            self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
         lengths = self._verification_lengths(caps, drafts, capacity)
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
         if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
-            key = (len(rows), 1 + max(lengths))
-            previous = self._step_cost.get(key)
-            self._step_cost[key] = t2 - t1 if previous is None else 0.7 * previous + 0.3 * (t2 - t1)
-            self._step_version += 1
+            self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
         keep, emitted = [], 0
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
@@ -845,41 +841,13 @@ class DSparkEngine:
         self.stats.emitted.append(emitted)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
-        if self.realized_gate:
-            self._record_step(len(rows), bool(drafting), emitted, time.perf_counter() - t0)
+        if self.realized_gate:  # what the whole step delivered
+            self.measurements.record_step(len(rows), bool(drafting), emitted, time.perf_counter() - t0)
         return events
-
-    def _record_step(self, num_requests: int, drafted: bool, emitted: int, seconds: float) -> None:
-        """What a whole step delivered, for ``realized_gate``."""
-        key = (num_requests, drafted)
-        record = self._realized.get(key)
-        if record is None:
-            self._realized[key] = [float(emitted), seconds, 1]
-        else:
-            record[0] = 0.7 * record[0] + 0.3 * emitted
-            record[1] = 0.7 * record[1] + 0.3 * seconds
-            record[2] += 1
-        self._steps_since[key] = 0
-        other = (num_requests, not drafted)
-        self._steps_since[other] = self._steps_since.get(other, 0) + 1
 
     def _realized_allows_drafting(self, num_requests: int) -> bool:
         """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates."""
-        drafting = self._realized.get((num_requests, True))
-        plain = self._realized.get((num_requests, False))
-        if drafting is None or drafting[2] < 2:
-            return True  # drafting not measured here yet: let the model decide
-        if plain is None:
-            # Only drafting measured: one plain step now and then gives the other side of the comparison.
-            return self._steps_since.get((num_requests, False), 0) < self.explore_interval
-        wait = self._explore_wait.get(num_requests, self.explore_interval)
-        if drafting[0] / drafting[1] >= plain[0] / plain[1]:
-            self._explore_wait[num_requests] = self.explore_interval
-            return True
-        if self._steps_since.get((num_requests, True), 0) < wait:
-            return False
-        self._explore_wait[num_requests] = min(2 * wait, self.max_explore_interval)  # re-measure drafting now
-        return True
+        return self.measurements.drafting_allowed(num_requests, self.explore_interval, self.max_explore_interval)
 
     # --------------------------------------------------------------------------------------------------------------
     # Joining: prefill the new requests together (right-padded), then append their rows
@@ -978,12 +946,13 @@ class DSparkEngine:
         averaged away with the profile's optimism). Only past steps are used. Tables are cached until a new
         measurement arrives."""
         table = self._profiled_table(num_requests)
-        if not self._step_cost:
+        step_cost = self.measurements.verify_cost
+        if not step_cost:
             return table
         cached = self._priced_tables.get(num_requests)
-        if cached is not None and cached[0] == self._step_version:
+        if cached is not None and cached[0] == self.measurements.version:
             return cached[1]
-        measured = {w: seconds for (r, w), seconds in self._step_cost.items() if r == num_requests}
+        measured = {w: seconds for (r, w), seconds in step_cost.items() if r == num_requests}
         widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
         values = [1.0 / measured[w] if w in measured else float(table[num_requests * w]) for w in widths]
         base = measured.get(1)
@@ -998,7 +967,7 @@ class DSparkEngine:
             for w, value in zip(widths, values):
                 floor = min(floor, value)
                 table[num_requests * w] = floor
-        self._priced_tables[num_requests] = (self._step_version, table)
+        self._priced_tables[num_requests] = (self.measurements.version, table)
         return table
 
     def _width_cost_ratio(self, num_requests: int, width: int) -> float | None:
@@ -1006,11 +975,12 @@ class DSparkEngine:
         scale, ties toward the larger) where both were run, or None."""
         import math
 
-        sizes = [r for (r, w) in self._step_cost if w == width and r != num_requests and (r, 1) in self._step_cost]
+        step_cost = self.measurements.verify_cost
+        sizes = [r for (r, w) in step_cost if w == width and r != num_requests and (r, 1) in step_cost]
         if not sizes:
             return None
         nearest = min(sizes, key=lambda r: (abs(math.log(r / num_requests)), -r))
-        return max(1.0, self._step_cost[(nearest, width)] / self._step_cost[(nearest, 1)])
+        return max(1.0, step_cost[(nearest, width)] / step_cost[(nearest, 1)])
 
     def _profiled_table(self, num_requests: int) -> torch.Tensor:
         table = self._sps_tables.get(num_requests)
@@ -1107,7 +1077,7 @@ class DSparkEngine:
     def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int) -> bool:
         """Whether drafting ``rows`` requests is expected to beat plain decoding this step, from the stale
         prediction (``predicted`` lengths, survivals of ``stale`` confidences) and the drafter's measured cost."""
-        cost = self._draft_cost.get(_bucket(rows))
+        cost = self.measurements.draft_cost.get(_bucket(rows))
         if cost is None:
             return True  # not measured yet: draft, and measure
         num_requests = stale.shape[0]

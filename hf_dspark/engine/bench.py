@@ -65,12 +65,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int, engine_kwargs: dict,
-             sps=None, seed: int = 0) -> tuple[dict, list[list[int]]]:
-    """Serve every prompt at ``concurrency``; returns the summary and each request's tokens (prompt order)."""
+             sps=None, seed: int = 0, measurements=None) -> tuple[dict, list[list[int]]]:
+    """Serve every prompt at ``concurrency``; returns the summary and each request's tokens (prompt order).
+    ``measurements``: an ``EngineMeasurements`` the engine starts from and adds to (scheduled methods)."""
     kwargs = dict(engine_kwargs)
     if kwargs["method"] == "scheduled":
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
+        kwargs["measurements"] = measurements
     engine = DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
                           seed=seed, **kwargs)
     from tqdm.auto import tqdm
@@ -115,7 +117,7 @@ def _sync(model) -> None:
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                 schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
-                log=print) -> dict:
+                share_measurements: bool = True, log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
     ``repeats`` > 1 runs the methods of each concurrency round-robin that many times and keeps each method's fastest
@@ -124,6 +126,10 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
 
     ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
     (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
+
+    ``share_measurements`` (scheduled methods): each method's engines share one ``EngineMeasurements`` across the
+    warm-up and every run, as a long-lived server keeps what it has measured (drafter and verify costs, and what
+    drafting delivered at each batch size); False starts every run from nothing, as a freshly started server.
     """
     if not prompts:
         raise ValueError("no prompts to replay")
@@ -145,16 +151,22 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
         sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,
                                       hidden_state_indices=drafter.target_hidden_states_indices())
+    from .measurements import EngineMeasurements
+
+    measured = {name: EngineMeasurements() for name, spec in specs.items()
+                if share_measurements and spec["method"] == "scheduled"}
     if warmup:
-        for spec in specs.values():
-            run_once(target, drafter, prompts[:2], SamplingParams(max_new_tokens=8), 2, spec, sps, seed)
+        for name, spec in specs.items():
+            run_once(target, drafter, prompts[:2], SamplingParams(max_new_tokens=8), 2, spec, sps, seed,
+                     measured.get(name))
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for concurrency in concurrencies:
         reference = None
         runs: dict[str, list] = {name: [] for name in specs}
         for _ in range(repeats):
             for name, spec in specs.items():
-                summary, tokens = run_once(target, drafter, prompts, params, concurrency, spec, sps, seed)
+                summary, tokens = run_once(target, drafter, prompts, params, concurrency, spec, sps, seed,
+                                           measured.get(name))
                 runs[name].append((summary, tokens))
                 log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
                     f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
@@ -171,7 +183,8 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
             if reference is not None:
                 same = sum(a == b for a, b in zip(tokens, reference))
                 results[name][str(concurrency)]["identical_to_plain"] = f"{same}/{len(reference)}"
-    return {"results": results, "sps": None if sps is None else sps.to_dict()}
+    return {"results": results, "sps": None if sps is None else sps.to_dict(),
+            "measurements": {name: m.to_dict() for name, m in measured.items()}}
 
 
 def plot_bench(report: dict, path: str | Path) -> Path:

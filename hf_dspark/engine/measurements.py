@@ -1,0 +1,147 @@
+"""What a ``DSparkEngine`` measures about its hardware, kept apart from any one engine.
+
+The engine prices its decisions with timings of past steps: the drafter's forward per number of drafting rows, the
+verify forward per (rows, block width), and the tokens per second whole steps delivered at each batch size with and
+without drafting (the realized gate). An engine that starts from nothing pays to learn these: its first steps at a
+new batch size draft before anything says whether drafting pays there. A server learns them once; so can a set of
+engines that share one ``EngineMeasurements`` (pass the same object to each), and ``save`` / ``load`` carry them
+across processes. A file is keyed by target, drafter, device, dtype and thread count: measurements taken under
+other conditions are refused, not reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+EMA_WEIGHT = 0.3  # weight of the newest timing in every moving average kept here
+
+
+def ema(previous: float | None, value: float) -> float:
+    """Exponential moving average with ``EMA_WEIGHT`` on the newest value (the value itself when there is none)."""
+    return value if previous is None else (1.0 - EMA_WEIGHT) * previous + EMA_WEIGHT * value
+
+
+def measurement_key(target, drafter) -> dict:
+    """What the measurements depend on: the target's profile key (model, device, dtype, threads, torch) and the
+    drafter (name, size, block size)."""
+    from ..profiling import profile_key
+
+    key = {**profile_key(target), "kind": "engine"}
+    if drafter is not None:
+        key["drafter"] = str(getattr(drafter.config, "_name_or_path", "") or type(drafter).__name__)
+        key["drafter_parameters"] = sum(p.numel() for p in drafter.parameters())
+        key["block_size"] = int(drafter.config.block_size)
+    return key
+
+
+class EngineMeasurements:
+    """Moving averages of an engine's step timings, shareable across engines and savable as JSON.
+
+    - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
+    - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide;
+    - ``realized[(rows, drafted)]``: ``[tokens emitted per step, seconds per step, steps seen]`` of whole steps
+      (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
+      drafting or none.
+
+    ``version`` increases with every verify timing (the engine rebuilds its repriced SPS tables on a change).
+    """
+
+    def __init__(self, key: dict | None = None):
+        self.key = key
+        self.draft_cost: dict[int, float] = {}
+        self.verify_cost: dict[tuple[int, int], float] = {}
+        self.realized: dict[tuple[int, bool], list[float]] = {}
+        self.version = 0
+        # Exploration state of the realized gate (not saved: a loaded file starts a fresh schedule of re-measurements)
+        self.steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
+        self.explore_wait: dict[int, int] = {}  # R -> steps before drafting is re-measured while it loses
+
+    # -- recording -----------------------------------------------------------------------------------------------
+    def record_draft(self, bucket: int, seconds: float) -> None:
+        self.draft_cost[bucket] = ema(self.draft_cost.get(bucket), seconds)
+
+    def record_verify(self, rows: int, width: int, seconds: float) -> None:
+        self.verify_cost[(rows, width)] = ema(self.verify_cost.get((rows, width)), seconds)
+        self.version += 1
+
+    def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
+        key = (rows, drafted)
+        record = self.realized.get(key)
+        if record is None:
+            self.realized[key] = [float(emitted), seconds, 1]
+        else:
+            record[0], record[1], record[2] = ema(record[0], emitted), ema(record[1], seconds), record[2] + 1
+        self.steps_since[key] = 0
+        other = (rows, not drafted)
+        self.steps_since[other] = self.steps_since.get(other, 0) + 1
+
+    # -- the realized gate ---------------------------------------------------------------------------------------
+    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
+        """Whether a step at ``rows`` requests may draft, judged by the tokens per second past whole steps delivered
+        there: free until drafting has been measured twice; with drafting measured alone, a plain step every
+        ``explore_interval`` steps; then the faster side, re-measuring a losing drafting side after a wait that
+        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing."""
+        drafting = self.realized.get((rows, True))
+        plain = self.realized.get((rows, False))
+        if drafting is None or drafting[2] < 2:
+            return True  # drafting not measured here yet: let the model decide
+        if plain is None:
+            return self.steps_since.get((rows, False), 0) < explore_interval
+        wait = self.explore_wait.get(rows, explore_interval)
+        if drafting[0] / drafting[1] >= plain[0] / plain[1]:
+            self.explore_wait[rows] = explore_interval
+            return True
+        if self.steps_since.get((rows, True), 0) < wait:
+            return False
+        self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
+        return True
+
+    # -- keys and files ------------------------------------------------------------------------------------------
+    def bind(self, key: dict) -> None:
+        """Adopt ``key`` when unkeyed; refuse measurements taken for another target / drafter / device / dtype /
+        thread count."""
+        if self.key is None:
+            self.key = dict(key)
+            return
+        differing = sorted(k for k in set(self.key) | set(key) if self.key.get(k) != key.get(k))
+        if differing:
+            details = ", ".join(f"{k}: {self.key.get(k)!r} vs now {key.get(k)!r}" for k in differing)
+            raise ValueError(f"these engine measurements were taken under other conditions ({details}); "
+                             "use a fresh EngineMeasurements (or another file) for this setup")
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "draft_cost": [[bucket, seconds] for bucket, seconds in sorted(self.draft_cost.items())],
+            "verify_cost": [[rows, width, seconds] for (rows, width), seconds in sorted(self.verify_cost.items())],
+            "realized": [[rows, drafted, *record] for (rows, drafted), record in sorted(self.realized.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineMeasurements":
+        missing = [k for k in ("key", "draft_cost", "verify_cost", "realized") if k not in data]
+        if missing:
+            raise ValueError(f"not an engine measurements file: missing {missing}")
+        out = cls(data["key"])
+        out.draft_cost = {int(b): float(s) for b, s in data["draft_cost"]}
+        out.verify_cost = {(int(r), int(w)): float(s) for r, w, s in data["verify_cost"]}
+        out.realized = {(int(r), bool(d)): [float(e), float(s), int(n)] for r, d, e, s, n in data["realized"]}
+        out.version = 1 if out.verify_cost else 0
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "EngineMeasurements":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+__all__ = ["EMA_WEIGHT", "EngineMeasurements", "ema", "measurement_key"]
