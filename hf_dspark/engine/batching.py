@@ -947,7 +947,7 @@ class DSparkEngine:
         measurement arrives."""
         table = self._profiled_table(num_requests)
         step_cost = self.measurements.verify_cost
-        if not step_cost:
+        if not self.adapt_sps or not step_cost:  # without adapt_sps the given SPS is used as is
             return table
         cached = self._priced_tables.get(num_requests)
         if cached is not None and cached[0] == self.measurements.version:
