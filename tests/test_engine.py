@@ -466,8 +466,9 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
 
 def test_realized_gate_decisions():
     """The realized gate's bookkeeping: drafting is free to go until measured; with drafting measured alone, a plain
-    step every ``explore_interval`` steps; once both are measured, the faster side wins, and a losing drafting side
-    is re-measured every ``explore_interval`` steps."""
+    step every ``explore_interval`` steps; once both are measured, the faster side (tokens over seconds of its last
+    32 steps) wins, a losing drafting side is re-measured after a doubling wait, and while drafting wins the plain
+    side is still refreshed every ``explore_interval`` steps."""
     target = make_target("llama")
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
@@ -494,8 +495,16 @@ def test_realized_gate_decisions():
     assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
     assert engine.measurements.explore_wait[4] == 12
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)  # moving average: (0.7 * 8 + 0.3 * 40) / 0.1 = 176 tok/s
+    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)  # window: (5 * 8 + 40) / 0.6 s = 133 tok/s
     assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
+    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)
+    assert not engine._realized_allows_drafting(4)  # winning, but plain last measured 3 steps ago: refresh it
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(4)
+    for _ in range(40):  # the window keeps the last 32 plain steps: one slow step moves the rate a little
+        engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.4)
+    assert engine.measurements.realized_rate(4, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
     assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
     assert not DSparkEngine(target, drafter, method="fixed").realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
@@ -569,8 +578,7 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
     assert drafting[0][0] > 0 and drafting[1] == [0, 0, 0], drafting
     loaded = EngineMeasurements.load(path)
     assert loaded.to_dict() == engine.measurements.to_dict()
-    drafting4, plain4 = loaded.realized[(4, True)], loaded.realized[(4, False)]
-    assert drafting4[0] / drafting4[1] < plain4[0] / plain4[1]
+    assert loaded.realized_rate(4, True) < loaded.realized_rate(4, False)
     with pytest.raises(ValueError, match="other conditions.*model"):
         DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], method="scheduled", measurements=loaded)
     with pytest.raises(ValueError, match="not an engine measurements file"):

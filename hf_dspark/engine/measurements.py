@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from pathlib import Path
 
-EMA_WEIGHT = 0.3  # weight of the newest timing in every moving average kept here
+EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter and verify moving averages
+REALIZED_WINDOW = 32  # whole steps per (batch size, drafted) behind the realized gate's tokens per second
 
 
 def ema(previous: float | None, value: float) -> float:
@@ -41,9 +43,10 @@ class EngineMeasurements:
 
     - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
     - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide;
-    - ``realized[(rows, drafted)]``: ``[tokens emitted per step, seconds per step, steps seen]`` of whole steps
+    - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
-      drafting or none.
+      drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
+      machine) moves it by a thirty-second, not by the 30% a moving average would.
 
     ``version`` increases with every verify timing (the engine rebuilds its repriced SPS tables on a change).
     """
@@ -52,7 +55,7 @@ class EngineMeasurements:
         self.key = key
         self.draft_cost: dict[int, float] = {}
         self.verify_cost: dict[tuple[int, int], float] = {}
-        self.realized: dict[tuple[int, bool], list[float]] = {}
+        self.realized: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         self.version = 0
         # Exploration state of the realized gate (not saved: a loaded file starts a fresh schedule of re-measurements)
         self.steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
@@ -68,31 +71,37 @@ class EngineMeasurements:
 
     def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
         key = (rows, drafted)
-        record = self.realized.get(key)
-        if record is None:
-            self.realized[key] = [float(emitted), seconds, 1]
-        else:
-            record[0], record[1], record[2] = ema(record[0], emitted), ema(record[1], seconds), record[2] + 1
+        self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
         self.steps_since[key] = 0
         other = (rows, not drafted)
         self.steps_since[other] = self.steps_since.get(other, 0) + 1
 
+    def realized_rate(self, rows: int, drafted: bool) -> float | None:
+        """Tokens per second of the recent whole steps at ``rows`` requests (with drafting or without), or None."""
+        window = self.realized.get((rows, drafted))
+        if not window:
+            return None
+        seconds = sum(s for _, s in window)
+        return sum(e for e, _ in window) / seconds if seconds > 0 else float("inf")
+
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
-        """Whether a step at ``rows`` requests may draft, judged by the tokens per second past whole steps delivered
-        there: free until drafting has been measured twice; with drafting measured alone, a plain step every
-        ``explore_interval`` steps; then the faster side, re-measuring a losing drafting side after a wait that
-        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing."""
+        """Whether a step at ``rows`` requests may draft, judged by the tokens per second recent whole steps
+        delivered there: free until drafting has been measured twice; while only drafting is measured (or the plain
+        side has not been refreshed for ``explore_interval`` steps), a plain step every ``explore_interval`` steps;
+        otherwise the faster side, re-measuring a losing drafting side after a wait that starts at
+        ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing."""
         drafting = self.realized.get((rows, True))
-        plain = self.realized.get((rows, False))
-        if drafting is None or drafting[2] < 2:
+        if drafting is None or len(drafting) < 2:
             return True  # drafting not measured here yet: let the model decide
-        if plain is None:
-            return self.steps_since.get((rows, False), 0) < explore_interval
+        plain_rate = self.realized_rate(rows, False)
+        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
+        if plain_rate is None:
+            return fresh_plain
         wait = self.explore_wait.get(rows, explore_interval)
-        if drafting[0] / drafting[1] >= plain[0] / plain[1]:
+        if self.realized_rate(rows, True) >= plain_rate:
             self.explore_wait[rows] = explore_interval
-            return True
+            return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
         if self.steps_since.get((rows, True), 0) < wait:
             return False
         self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
@@ -116,7 +125,8 @@ class EngineMeasurements:
             "key": self.key,
             "draft_cost": [[bucket, seconds] for bucket, seconds in sorted(self.draft_cost.items())],
             "verify_cost": [[rows, width, seconds] for (rows, width), seconds in sorted(self.verify_cost.items())],
-            "realized": [[rows, drafted, *record] for (rows, drafted), record in sorted(self.realized.items())],
+            "realized": [[rows, drafted, [list(step) for step in window]]
+                         for (rows, drafted), window in sorted(self.realized.items())],
         }
 
     @classmethod
@@ -127,7 +137,8 @@ class EngineMeasurements:
         out = cls(data["key"])
         out.draft_cost = {int(b): float(s) for b, s in data["draft_cost"]}
         out.verify_cost = {(int(r), int(w)): float(s) for r, w, s in data["verify_cost"]}
-        out.realized = {(int(r), bool(d)): [float(e), float(s), int(n)] for r, d, e, s, n in data["realized"]}
+        out.realized = {(int(r), bool(d)): deque(((float(e), float(s)) for e, s in steps), maxlen=REALIZED_WINDOW)
+                        for r, d, steps in data["realized"]}
         out.version = 1 if out.verify_cost else 0
         return out
 
@@ -144,4 +155,4 @@ class EngineMeasurements:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "EngineMeasurements", "ema", "measurement_key"]
+__all__ = ["EMA_WEIGHT", "REALIZED_WINDOW", "EngineMeasurements", "ema", "measurement_key"]
