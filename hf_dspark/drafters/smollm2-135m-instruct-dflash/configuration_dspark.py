@@ -52,6 +52,9 @@ class DSparkConfig(PreTrainedConfig):
         confidence_head_with_markov (`bool`): whether the confidence head also reads ``W1[previous token]``.
         confidence_temperatures (`list[float]`, *optional*): Sequential Temperature Scaling, one temperature per
             block position for the confidence logit (set by calibration).
+        confidence_target (`str`): what the confidence head was trained to predict: ``"sampling"`` (the paper's
+            soft label, the acceptance rate of speculative sampling) or ``"greedy"`` (whether greedy verification
+            accepts the draft's argmax).
         num_anchors (`int`): anchors sampled per training sequence.
         draft_vocab_size (`int`, *optional*): draft over a subset of the vocabulary (the most frequent target
             tokens, stored in the checkpoint as ``draft_vocab``): the LM-head and sequential-head outputs shrink
@@ -88,6 +91,7 @@ class DSparkConfig(PreTrainedConfig):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
+    confidence_target: str = "sampling"
     num_anchors: int = 512
     draft_vocab_size: int | None = None
 
@@ -139,6 +143,8 @@ class DSparkConfig(PreTrainedConfig):
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
             raise ValueError("confidence_temperatures must be positive")
+        if self.confidence_target not in ("sampling", "greedy"):
+            raise ValueError(f"confidence_target must be 'sampling' or 'greedy', got {self.confidence_target!r}")
 
     @property
     def uses_markov_embedding(self) -> bool:
