@@ -131,6 +131,11 @@ def test_confidence_head_fine_tune_freezes_the_rest(tiny_targets, tmp_path):
     changed = {n for n, t in base.state_dict().items() if not torch.equal(t, tuned.state_dict()[n])}
     assert changed and all(n.startswith("confidence_head.") for n in changed)
 
+    # Training another module leaves the head's temperatures and label alone.
+    other = DSparkTrainer(make_args(tmp_path, "markov", max_steps=1, init_drafter=str(tmp_path / "calibrated"),
+                                    confidence_target="greedy", train_modules=["markov_head"]), target=target)
+    assert other.drafter.config.confidence_temperatures == [1.5] * base.config.block_size
+    assert other.drafter.config.confidence_target == "sampling"
     with pytest.raises(ValueError, match="no drafter module named"):
         DSparkTrainer(make_args(tmp_path, "bad", init_drafter=str(tmp_path / "calibrated"),
                                 train_modules=["confidence"]), target=target)

@@ -272,12 +272,13 @@ class DSparkTrainer:
             return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
         if self.args.init_drafter:
             drafter = DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
-            if drafter.config.confidence_temperatures is not None and self._trains_confidence_head():
-                # STS temperatures were fitted to the old head; they would miscalibrate the new one.
-                logger.warning("dropping the STS temperatures of %s: the confidence head trains, so they no "
-                               "longer fit it (recalibrate with hf-dspark calibrate)", self.args.init_drafter)
-                drafter.config.confidence_temperatures = None
-            drafter.config.confidence_target = self.args.confidence_target
+            if self._trains_confidence_head():  # an untouched head keeps its temperatures and its label
+                if drafter.config.confidence_temperatures is not None:
+                    # STS temperatures were fitted to the old head; they would miscalibrate the new one.
+                    logger.warning("dropping the STS temperatures of %s: the confidence head trains, so they no "
+                                   "longer fit it (recalibrate with hf-dspark calibrate)", self.args.init_drafter)
+                    drafter.config.confidence_temperatures = None
+                drafter.config.confidence_target = self.args.confidence_target
             return drafter
         overrides = dict(
             num_hidden_layers=self.args.num_hidden_layers, block_size=self.args.block_size,
