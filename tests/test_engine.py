@@ -513,15 +513,13 @@ def test_realized_gate_decisions():
         DSparkEngine(target, drafter, method="scheduled", explore_interval=8, max_explore_interval=4)
 
 
-def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_targets, trained_drafters,
-                                                                          monkeypatch):
-    """A cost outside the model of ``cost_aware`` (here: the drafter context's catch-up, made slow) makes drafting
-    steps deliver fewer tokens per second than plain ones: the realized gate then decodes plain (re-measuring
-    drafting now and then); without it every step drafts. Outputs equal plain greedy either way."""
+@pytest.fixture
+def slow_catch_up(tiny_targets, monkeypatch):
+    """Drafting made to cost more than the model of ``cost_aware`` knows: the drafter context's catch-up sleeps, while
+    that model is pinned to "drafting pays" (it does not see the catch-up's cost, and the drafter's own measured time
+    must not decide these tests on a loaded machine). Returns four 8-token prompts for the llama target."""
     import time
 
-    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
     flush = DeferredDrafterContext.flush
 
     def slow_flush(self, *args, **kwargs):
@@ -529,9 +527,18 @@ def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_
         return flush(self, *args, **kwargs)
 
     monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
-    # The premise: the model behind ``cost_aware`` says drafting pays (it does not see the catch-up's cost, and the
-    # drafter's own measured time must not decide this test on a loaded machine).
     monkeypatch.setattr(DSparkEngine, "_drafting_pays", lambda self, *args, **kwargs: True)
+    target = tiny_targets["llama"]
+    return [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
+
+
+def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_targets, trained_drafters,
+                                                                          slow_catch_up):
+    """A cost outside the model of ``cost_aware`` (here: the drafter context's catch-up, made slow) makes drafting
+    steps deliver fewer tokens per second than plain ones: the realized gate then decodes plain (re-measuring
+    drafting now and then); without it every step drafts. Outputs equal plain greedy either way."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = slow_catch_up
     results = {}
     for gate in (True, False):
         engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, realized_gate=gate,
@@ -545,24 +552,14 @@ def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_
     assert results[True] < 0.5, results
 
 
-def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters, monkeypatch, tmp_path):
+def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters, slow_catch_up, tmp_path):
     """What one engine measured (drafting loses at R = 4, through a slow context catch-up) reaches a later engine
     through a saved ``EngineMeasurements``: the first engine drafts at its first step to find out, the second starts
     plain at that batch size. Outputs equal plain greedy in both; measurements of another setup are refused."""
-    import time
-
     from hf_dspark.engine import EngineMeasurements
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
-    flush = DeferredDrafterContext.flush
-
-    def slow_flush(self, *args, **kwargs):
-        time.sleep(0.05)
-        return flush(self, *args, **kwargs)
-
-    monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
-    monkeypatch.setattr(DSparkEngine, "_drafting_pays", lambda self, *args, **kwargs: True)
+    prompts = slow_catch_up
     path = tmp_path / "measurements.json"
     drafting = []
     for _ in range(2):
