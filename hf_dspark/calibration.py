@@ -246,35 +246,6 @@ def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
     return path
 
 
-def choose_calibration_prompts(records: list[dict], num_prompts: int, sampling: str = "balanced",
-                               seed: int = 0) -> list[dict]:
-    """Pick ``num_prompts`` calibration records. ``"shuffled"``: a uniform random sample (big sets dominate);
-    ``"balanced"``: round-robin over the sets (``record["set"]``) in random order within each, so every set gives
-    the same number of prompts until the smaller ones run out."""
-    import random
-
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    rng = random.Random(seed)
-    if sampling == "shuffled":
-        records = list(records)
-        rng.shuffle(records)
-        return records[:num_prompts]
-    if sampling != "balanced":
-        raise ValueError(f"unknown sampling {sampling!r}: expected 'balanced' or 'shuffled'")
-    by_set: dict[str, list[dict]] = {}
-    for record in records:
-        by_set.setdefault(record["set"], []).append(record)
-    for members in by_set.values():
-        rng.shuffle(members)
-    chosen: list[dict] = []
-    for i in range(max((len(m) for m in by_set.values()), default=0)):
-        for name in sorted(by_set):
-            if i < len(by_set[name]) and len(chosen) < num_prompts:
-                chosen.append(by_set[name][i])
-    return chosen
-
-
 def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_tokens: int = 128,
                      temperature: float = 0.0, seed: int = 0, progress: bool = True, concurrency: int = 1) -> Rollouts:
     """Speculative-decoding rollouts of each record's first turn, verifying the WHOLE block every round (so every

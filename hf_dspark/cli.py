@@ -14,7 +14,11 @@ import time
 
 import torch
 
+from .prompts import SAMPLINGS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "
+                "or text files of prompt ids, one per line")
 
 
 def _load_target(name: str | None, dtype: torch.dtype):
@@ -87,7 +91,7 @@ def cmd_data(args) -> int:
     settings = RegenerationSettings(
         prompt_paths=args.prompts, shard_size=args.shard_size, batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        max_prompts=args.max_prompts, dtype=args.dtype,
+        max_prompts=args.max_prompts, dtype=args.dtype, exclude=list(args.exclude), sampling=args.sampling,
     )
     target, tokenizer = _load_target(args.target, DTYPES[args.dtype])
     summary = regenerate(target, tokenizer, args.output, settings, worker_index=args.worker_index,
@@ -190,7 +194,6 @@ def cmd_calibrate(args) -> int:
     from collections import Counter
 
     from .calibration import (
-        choose_calibration_prompts,
         collect_rollouts,
         cross_validated_sts,
         fit_sts,
@@ -198,20 +201,16 @@ def cmd_calibrate(args) -> int:
         write_sts,
     )
     from .defaults import load_drafter_for
-    from .prompts import load_prompts
+    from .prompts import excluded_prompt_ids, load_prompts, sample_prompts
 
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
     if drafter.confidence_head is None:
         raise ValueError(f"{origin} has no confidence head to calibrate")
     records = load_prompts(args.prompts)
-    excluded = set()
-    for folder in args.exclude or []:
-        from .training.data import iter_regenerated
-
-        excluded |= {r["id"] for r in iter_regenerated(folder)}
+    excluded = excluded_prompt_ids(args.exclude or [])
     records = [r for r in records if r["id"] not in excluded]
-    records = choose_calibration_prompts(records, args.num_prompts, args.sampling, args.seed)
+    records = sample_prompts(records, args.num_prompts, args.sampling, args.seed)
     drafter.config.confidence_temperatures = None
     rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed,
                                 concurrency=args.concurrency)
@@ -227,6 +226,7 @@ def cmd_calibrate(args) -> int:
     reliability_diagram(rollouts, fit["temperatures"], output / "reliability.png")
     (output / "calibration_report.json").write_text(json.dumps({
         "fit": fit, "rollouts": rollouts.to_dict(), "prompts": len(records),
+        "prompt_ids": [r["id"] for r in records],
         "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "dtype": args.dtype,
                      "seed": args.seed, "concurrency": args.concurrency, "sampling": args.sampling,
                      "cv_folds": args.cv_folds},
@@ -431,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--top-p", type=float, default=0.9)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--max-prompts", type=int, default=None)
+    data.add_argument("--exclude", nargs="*", default=[], help=EXCLUDE_HELP)
+    data.add_argument("--sampling", choices=SAMPLINGS, default="shuffled",
+                      help="order the prompts are taken in (and cut by --max-prompts): uniformly shuffled, or "
+                           "balanced round-robin over the prompt sets")
     data.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     data.add_argument("--threads", type=int, default=None)
     data.add_argument("--num-workers", type=int, default=1, help="split shards over this many processes")
@@ -507,9 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--drafter", default=None)
     cal.add_argument("--target", default=None)
     cal.add_argument("--prompts", nargs="+", required=True, help="calibration prompts (disjoint from train/eval)")
-    cal.add_argument("--exclude", nargs="*", default=None, help="regenerated data folders whose prompts to skip")
+    cal.add_argument("--exclude", nargs="*", default=None, help=EXCLUDE_HELP)
     cal.add_argument("--num-prompts", type=int, default=100)
-    cal.add_argument("--sampling", choices=["balanced", "shuffled"], default="balanced",
+    cal.add_argument("--sampling", choices=SAMPLINGS, default="balanced",
                      help="balanced: the same number of prompts from each set (as far as each set allows); "
                           "shuffled: a uniform sample of all prompts, so big sets dominate")
     cal.add_argument("--cv-folds", type=int, default=5,

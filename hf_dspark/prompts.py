@@ -46,3 +46,64 @@ def load_prompts(paths: list[str | Path]) -> list[dict]:
                     raise ValueError(f"{file}:{line_no}: domain {domain!r} is not one of {DOMAINS}")
                 records.append({"id": str(record["id"]), "domain": domain, "turns": turns, "set": file.stem})
     return records
+
+
+SAMPLINGS = ("balanced", "shuffled")
+
+
+def sample_prompts(records: list[dict], num_prompts: int | None, sampling: str = "balanced",
+                   seed: int = 0) -> list[dict]:
+    """Pick ``num_prompts`` records (all of them when None), reproducibly for a seed.
+
+    ``"shuffled"``: a uniform random order (big sets dominate a cut); ``"balanced"``: round-robin over the sets
+    (``record["set"]``) in random order within each, so every set gives the same number of prompts until the smaller
+    ones run out."""
+    import random
+
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"unknown sampling {sampling!r}: expected one of {SAMPLINGS}")
+    num_prompts = len(records) if num_prompts is None else num_prompts
+    rng = random.Random(seed)
+    if sampling == "shuffled":
+        records = list(records)
+        rng.shuffle(records)
+        return records[:num_prompts]
+    by_set: dict[str, list[dict]] = {}
+    for record in records:
+        by_set.setdefault(record["set"], []).append(record)
+    for members in by_set.values():
+        rng.shuffle(members)
+    chosen: list[dict] = []
+    for i in range(max((len(m) for m in by_set.values()), default=0)):
+        for name in sorted(by_set):
+            if i < len(by_set[name]) and len(chosen) < num_prompts:
+                chosen.append(by_set[name][i])
+    return chosen
+
+
+def excluded_prompt_ids(paths: list[str | Path]) -> set[str]:
+    """Prompt ids to leave out, gathered from: regenerated-data folders (``hf-dspark data``: every id in their
+    finished shards), calibrated-drafter folders (``hf-dspark calibrate``: the ``prompt_ids`` of their
+    ``calibration_report.json``), or text files with one prompt id per line."""
+    ids: set[str] = set()
+    for path in map(Path, paths):
+        if path.is_file():
+            ids |= {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
+        elif path.is_dir() and any(path.glob("shard-*.jsonl")):
+            from .training.data import iter_regenerated
+
+            ids |= {str(r["id"]) for r in iter_regenerated(path)}
+        elif (path / "calibration_report.json").is_file():
+            report = json.loads((path / "calibration_report.json").read_text(encoding="utf-8"))
+            if "prompt_ids" not in report:
+                raise ValueError(f"{path / 'calibration_report.json'} does not list its prompt_ids (written by an "
+                                 "older hf-dspark calibrate); pass a text file of the ids instead")
+            ids |= set(map(str, report["prompt_ids"]))
+        elif path.is_dir():
+            raise ValueError(f"{path} is neither regenerated data (shard-*.jsonl) nor a calibrated drafter "
+                             "(calibration_report.json)")
+        else:
+            raise FileNotFoundError(f"exclude path not found: {path}")
+    return ids

@@ -7,7 +7,6 @@ import torch
 
 from hf_dspark.calibration import (
     Rollouts,
-    choose_calibration_prompts,
     cross_validated_sts,
     expected_calibration_error,
     fit_sts,
@@ -105,21 +104,6 @@ def test_cross_validated_sts_rejects_what_it_cannot_split():
     with pytest.raises(ValueError, match="at least 2 folds"):
         cross_validated_sts(rollouts, folds=1)
     assert Rollouts.from_dict({"confidence_logits": [[0.0]], "verified": [1], "accepted": [0]}).prompts == []
-
-
-def test_calibration_prompts_balanced_across_sets():
-    records = [{"set": name, "id": f"{name}{i}"} for name, size in (("a", 10), ("b", 2), ("c", 5)) for i in range(size)]
-    chosen = choose_calibration_prompts(records, 9, "balanced", seed=3)
-    counts = {name: sum(r["set"] == name for r in chosen) for name in "abc"}
-    assert counts == {"a": 4, "b": 2, "c": 3}
-    assert len({r["id"] for r in chosen}) == 9
-    assert choose_calibration_prompts(records, 9, "balanced", seed=3) == chosen  # reproducible
-    shuffled = choose_calibration_prompts(records, 17, "shuffled", seed=0)
-    assert sorted(r["id"] for r in shuffled) == sorted(r["id"] for r in records)
-    with pytest.raises(ValueError, match="unknown sampling 'stratified'"):
-        choose_calibration_prompts(records, 3, "stratified")
-    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
-        choose_calibration_prompts(records, 0)
 
 
 class _ByteChat:

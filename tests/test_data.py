@@ -53,3 +53,57 @@ def test_regeneration_shards_workers_and_resume(chat_tokenizer, tmp_path):
     changed = RegenerationSettings(**{**settings.__dict__, "max_new_tokens": 5})
     with pytest.raises(ValueError, match="different settings"):
         regenerate(target, chat_tokenizer, out, changed, progress=False)
+
+
+def test_regeneration_excludes_prompts_and_pins_the_excluded_ids(chat_tokenizer, tmp_path):
+    target = make_target("llama", vocab_size=len(chat_tokenizer))
+    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+    write_prompts(tmp_path / "p.jsonl", 9)
+    with open(tmp_path / "q.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"id": f"q{i}", "domain": "math", "turns": [f"Add {i}"]}) + "\n")
+    ids = tmp_path / "calibration_ids.txt"
+    ids.write_text("p1\np2\n")
+    first = tmp_path / "first"
+    regenerate(target, chat_tokenizer, first, RegenerationSettings(
+        prompt_paths=[str(tmp_path / "p.jsonl")], shard_size=4, batch_size=4, max_new_tokens=2, max_prompts=3,
+        exclude=[str(ids)]), progress=False)
+    used_first = {l["id"] for l in iter_regenerated(first)}
+    assert len(used_first) == 3 and not used_first & {"p1", "p2"}
+
+    # Balanced over the two prompt files, skipping what the first folder used and the calibration ids.
+    settings = RegenerationSettings(prompt_paths=[str(tmp_path / "p.jsonl"), str(tmp_path / "q.jsonl")],
+                                    shard_size=2, batch_size=2, max_new_tokens=2, max_prompts=6,
+                                    exclude=[str(first), str(ids)], sampling="balanced")
+    second = tmp_path / "second"
+    regenerate(target, chat_tokenizer, second, settings, progress=False)
+    used = {l["id"] for l in iter_regenerated(second)}
+    assert len(used) == 6 and not used & (used_first | {"p1", "p2"})
+    assert sum(i.startswith("q") for i in used) == 3  # balanced: 3 + 3, though p has 4 usable prompts
+    assert json.loads((second / "manifest.json").read_text())["settings"]["sampling"] == "balanced"
+
+    # Resuming after the exclusion lists changed would pick other prompts: refused.
+    (second / "shard-00002.jsonl").unlink()
+    ids.write_text(f"p1\np2\n{sorted(used)[0]}\n")
+    with pytest.raises(ValueError, match="different set of excluded prompt ids"):
+        regenerate(target, chat_tokenizer, second, settings, progress=False)
+    ids.write_text("p1\np2\n")
+    assert regenerate(target, chat_tokenizer, second, settings, progress=False)["shards"] == 3
+
+
+def test_folders_from_before_exclude_and_sampling_still_resume(chat_tokenizer, tmp_path):
+    target = make_target("llama", vocab_size=len(chat_tokenizer))
+    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+    write_prompts(tmp_path / "p.jsonl", 4)
+    settings = RegenerationSettings(prompt_paths=[str(tmp_path / "p.jsonl")], shard_size=2, batch_size=2,
+                                    max_new_tokens=2)
+    out = tmp_path / "regen"
+    regenerate(target, chat_tokenizer, out, settings, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["settings"]["exclude"], manifest["settings"]["sampling"]  # as an older hf-dspark wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "shard-00001.jsonl").unlink()
+    assert regenerate(target, chat_tokenizer, out, settings, progress=False)["new_sequences"] > 0
+    balanced = RegenerationSettings(**{**settings.__dict__, "sampling": "balanced"})
+    with pytest.raises(ValueError, match="different settings"):
+        regenerate(target, chat_tokenizer, out, balanced, progress=False)

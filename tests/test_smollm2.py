@@ -76,6 +76,9 @@ def test_calibrate_command_balanced_with_heldout_ece(tmp_path, smollm2):
     report = json.loads((tmp_path / "calibration_report.json").read_text())
     assert sorted(report["sets"].values()) == [2] * len(prompts)  # balanced: two prompts from every set
     assert len(set(report["rollouts"]["prompts"])) > 2
+    from hf_dspark.prompts import excluded_prompt_ids
+
+    assert len(excluded_prompt_ids([tmp_path])) == 2 * len(prompts)  # a later job can skip these prompts
     sts = json.loads((tmp_path / "sts.json").read_text())
     assert sts["heldout_folds"] == 2 and len(sts["ece_heldout_per_position"]) == len(sts["temperatures"])
     drafter = DSparkDrafter.from_pretrained(tmp_path)

@@ -12,17 +12,17 @@ finished shard. ``manifest.json`` pins the settings; resuming with different set
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..prompts import load_prompts
+from ..prompts import excluded_prompt_ids, load_prompts, sample_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class RegenerationSettings:
     seed: int = 0
     max_prompts: int | None = None
     dtype: str = "bfloat16"
+    exclude: list[str] = field(default_factory=list)  # prompt ids to skip (see prompts.excluded_prompt_ids)
+    sampling: str = "shuffled"  # prompt order, cut by max_prompts (see prompts.sample_prompts)
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -114,19 +116,26 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = output_dir / "manifest.json"
+    records = load_prompts(settings.prompt_paths)
+    excluded = excluded_prompt_ids(settings.exclude)
+    records = [r for r in records if r["id"] not in excluded]
     manifest = {"settings": asdict(settings), "format": "hf-dspark-regenerated-v1"}
+    if excluded:
+        # the exclusion lists may grow (another regeneration still running): pin the ids this folder left out
+        manifest["excluded_ids_sha256"] = hashlib.sha256("\n".join(sorted(excluded)).encode()).hexdigest()
     if manifest_path.exists():
         existing = json.loads(manifest_path.read_text())
-        if existing["settings"] != manifest["settings"]:
+        added_later = {"exclude": [], "sampling": "shuffled"}  # folders written before these settings existed
+        if {**added_later, **existing["settings"]} != manifest["settings"]:
             raise ValueError(
                 f"{output_dir} was started with different settings ({existing['settings']}); use a new folder"
             )
+        if existing.get("excluded_ids_sha256") != manifest.get("excluded_ids_sha256"):
+            raise ValueError(f"{output_dir} was started with a different set of excluded prompt ids (the folders or "
+                             "files given to exclude have changed since); use a new folder")
     else:
         manifest_path.write_text(json.dumps(manifest, indent=2))
-    records = load_prompts(settings.prompt_paths)
-    random.Random(settings.seed).shuffle(records)
-    if settings.max_prompts is not None:
-        records = records[: settings.max_prompts]
+    records = sample_prompts(records, settings.max_prompts, settings.sampling, settings.seed)
     shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
     done = {p.name for p in output_dir.glob("shard-*.jsonl")}
     mine = [i for i in range(len(shards)) if i % num_workers == worker_index]
