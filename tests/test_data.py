@@ -18,6 +18,14 @@ def chat_tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_folder())
 
 
+@pytest.fixture
+def target(chat_tokenizer):
+    """A tiny random llama over the chat tokenizer's vocabulary, stopping at its end-of-turn token."""
+    model = make_target("llama", vocab_size=len(chat_tokenizer))
+    model.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+    return model
+
+
 def write_prompts(path, n):
     with open(path, "w") as f:
         for i in range(n):
@@ -25,9 +33,7 @@ def write_prompts(path, n):
             f.write(json.dumps({"id": f"p{i}", "domain": "chat", "turns": turns}) + "\n")
 
 
-def test_regeneration_shards_workers_and_resume(chat_tokenizer, tmp_path):
-    target = make_target("llama", vocab_size=len(chat_tokenizer))
-    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+def test_regeneration_shards_workers_and_resume(target, chat_tokenizer, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 7)
     settings = RegenerationSettings(prompt_paths=[str(tmp_path / "p.jsonl")], shard_size=2, batch_size=2,
                                     max_new_tokens=3)
@@ -55,9 +61,7 @@ def test_regeneration_shards_workers_and_resume(chat_tokenizer, tmp_path):
         regenerate(target, chat_tokenizer, out, changed, progress=False)
 
 
-def test_regeneration_excludes_prompts_and_pins_the_excluded_ids(chat_tokenizer, tmp_path):
-    target = make_target("llama", vocab_size=len(chat_tokenizer))
-    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+def test_regeneration_excludes_prompts_and_pins_the_excluded_ids(target, chat_tokenizer, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 9)
     with open(tmp_path / "q.jsonl", "w") as f:
         for i in range(3):
@@ -91,9 +95,7 @@ def test_regeneration_excludes_prompts_and_pins_the_excluded_ids(chat_tokenizer,
     assert regenerate(target, chat_tokenizer, second, settings, progress=False)["shards"] == 3
 
 
-def test_folders_from_before_exclude_and_sampling_still_resume(chat_tokenizer, tmp_path):
-    target = make_target("llama", vocab_size=len(chat_tokenizer))
-    target.generation_config.eos_token_id = chat_tokenizer.eos_token_id
+def test_folders_from_before_exclude_and_sampling_still_resume(target, chat_tokenizer, tmp_path):
     write_prompts(tmp_path / "p.jsonl", 4)
     settings = RegenerationSettings(prompt_paths=[str(tmp_path / "p.jsonl")], shard_size=2, batch_size=2,
                                     max_new_tokens=2)
