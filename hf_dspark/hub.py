@@ -144,6 +144,37 @@ def training_text(run: str | Path) -> str:
     args = state["args"]
     with open(log_path, encoding="utf-8") as f:
         last = json.loads(f.read().strip().splitlines()[-1])
+    data = _data_text(state, state_path)
+    weights = args["loss_weights"]
+    sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
+    budget = (f"{state['step']} steps x {sequences} sequences, {args['num_anchors']} anchors per sequence, "
+              f"block {args['block_size']}, lr {args['learning_rate']} (warmup {args['warmup_ratio']:.0%}, cosine), "
+              f"{last['elapsed_s'] / 60:.0f} min of training")
+    label = ("; confidence labels: greedy acceptance (draft argmax = target argmax)"
+             if args.get("confidence_target") == "greedy" else "")
+    final = (f"final: loss {last['loss']:.3f}, CE {last['ce']:.3f}, TV(L1) {last['tv']:.3f}, "
+             f"confidence {last.get('confidence', float('nan')):.3f}, block accuracy {last['accuracy']:.3f}")
+    init = Path(args["init_drafter"]) if args.get("init_drafter") else None
+    if args.get("train_modules") and init is not None and _run_folder(init) is not None:
+        # a fine-tune of some modules: the card describes the drafter it started from, then this stage
+        modules = ", ".join(f"`{m}`" for m in args["train_modules"])
+        return (training_text(_run_folder(init)) + f"\n- Then {modules} alone was fine-tuned (everything else "
+                f"frozen) on {data}; {budget}{label}; {final}.")
+    lines = [
+        f"- Data: {data}.",
+        f"- Budget: {budget}.",
+        f"- Losses (weights {weights['ce']} CE / {weights['tv']} TV / {weights['confidence']} confidence, decay gamma "
+        f"{args['gamma']}{label}); {final}.",
+    ]
+    if args.get("train_modules"):
+        lines.append(f"- Trained modules: {', '.join(args['train_modules'])} (the rest frozen).")
+    if init is not None:
+        lines.append(_warm_start_text(init))
+    return "\n".join(lines)
+
+
+def _data_text(state: dict, state_path: Path) -> str:
+    """The card's description of a run's regenerated data: sampling settings, turns, shards, prompt sets."""
     shards = [Path(s) for s in state["shards"]]
     missing = [str(s) for s in shards if not s.is_file()]
     if missing:
@@ -154,37 +185,29 @@ def training_text(run: str | Path) -> str:
         with open(shard, encoding="utf-8") as f:
             sets.update(json.loads(line).get("set", "unknown") for line in f if line.strip())
     sampling = {}
-    for data_dir in args["data_dirs"]:
+    for data_dir in state["args"]["data_dirs"]:
         manifest = Path(data_dir) / "manifest.json"
         if manifest.is_file():
             sampling = json.loads(manifest.read_text(encoding="utf-8"))["settings"]
     how = (f" (temperature {sampling['temperature']}, top-p {sampling['top_p']}, up to {sampling['max_new_tokens']} "
            "new tokens)") if sampling else ""
-    weights = args["loss_weights"]
-    sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
-    lines = [
-        f"- Data: the target's own responses{how} to {sum(sets.values())} conversation turns from {len(shards)} "
-        f"shards; prompt sets: {', '.join(f'{name} ({n})' for name, n in sets.most_common())}.",
-        f"- Budget: {state['step']} steps x {sequences} sequences, {args['num_anchors']} anchors per sequence, "
-        f"block {args['block_size']}, lr {args['learning_rate']} (warmup {args['warmup_ratio']:.0%}, cosine), "
-        f"{last['elapsed_s'] / 60:.0f} min of training.",
-        f"- Losses (weights {weights['ce']} CE / {weights['tv']} TV / {weights['confidence']} confidence, decay gamma "
-        f"{args['gamma']}); final: loss {last['loss']:.3f}, CE {last['ce']:.3f}, TV(L1) {last['tv']:.3f}, "
-        f"confidence {last.get('confidence', float('nan')):.3f}, block accuracy {last['accuracy']:.3f}.",
-    ]
-    if args.get("init_drafter"):
-        lines.append(_warm_start_text(Path(args["init_drafter"])))
-    return "\n".join(lines)
+    return (f"the target's own responses{how} to {sum(sets.values())} conversation turns from {len(shards)} shards; "
+            f"prompt sets: {', '.join(f'{name} ({n})' for name, n in sets.most_common())}")
+
+
+def _run_folder(drafter: Path) -> Path | None:
+    """The training run folder a drafter folder came from (its parent, for ``<run>/drafter``), if it is at hand."""
+    parent = drafter.parent if drafter.name == "drafter" else drafter
+    return parent if (parent / "checkpoint-last" / "trainer_state.json").is_file() else None
 
 
 def _warm_start_text(init: Path) -> str:
     """A card line for a run that started from an earlier drafter (``hf-dspark train --init-drafter``), with that
     drafter's own budget when its run folder (the drafter's parent) is at hand."""
-    parent = init.parent if init.name == "drafter" else init
-    state_path = parent / "checkpoint-last" / "trainer_state.json"
-    if not state_path.is_file():
+    parent = _run_folder(init)
+    if parent is None:
         return f"- Initialised from the drafter `{init}` (its run folder was not found, so its budget is not listed)."
-    state = json.loads(state_path.read_text(encoding="utf-8"))
+    state = json.loads((parent / "checkpoint-last" / "trainer_state.json").read_text(encoding="utf-8"))
     args = state["args"]
     sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
     text = (f"- Initialised from an earlier drafter (`{init}`: {state['step']} steps x {sequences} sequences, "

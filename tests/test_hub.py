@@ -175,6 +175,23 @@ def test_training_text_from_run(tmp_path):
     (child / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
         {"args": {**args, "init_drafter": str(tmp_path / "elsewhere")}, "step": 50, "shards": shards}))
     assert "its run folder was not found" in training_text(child)
+    # a fine-tune of the confidence head alone: the base drafter's whole description, then that stage
+    head = tmp_path / "head"
+    (head / "checkpoint-last").mkdir(parents=True)
+    (head / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
+        {"args": {**args, "init_drafter": str(run / "drafter"), "train_modules": ["confidence_head"],
+                  "confidence_target": "greedy", "batch_size": 2}, "step": 30, "shards": shards[1:]}))
+    (head / "train_log.jsonl").write_text(json.dumps(log[0]) + "\n")
+    text = training_text(head)
+    assert text.startswith(training_text(run) + "\n- Then `confidence_head` alone was fine-tuned (everything else "
+                           "frozen) on the target's own responses (temperature 0.2, top-p 0.9, up to 256 new tokens) "
+                           "to 1 conversation turns from 1 shards; prompt sets: gsm8k (1); 30 steps x 4 sequences")
+    assert "confidence labels: greedy acceptance (draft argmax = target argmax); final: loss 3.000" in text
+    (head / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
+        {"args": {**args, "init_drafter": str(tmp_path / "elsewhere"), "train_modules": ["confidence_head"]},
+         "step": 30, "shards": shards}))
+    text = training_text(head)
+    assert "- Trained modules: confidence_head (the rest frozen)." in text and "was not found" in text
     with pytest.raises(FileNotFoundError, match="not a training run folder"):
         training_text(tmp_path / "nothing")
 
