@@ -208,7 +208,7 @@ def cmd_calibrate(args) -> int:
     if drafter.confidence_head is None:
         raise ValueError(f"{origin} has no confidence head to calibrate")
     records = load_prompts(args.prompts)
-    excluded = excluded_prompt_ids(args.exclude or [])
+    excluded = excluded_prompt_ids(args.exclude)
     records = [r for r in records if r["id"] not in excluded]
     records = sample_prompts(records, args.num_prompts, args.sampling, args.seed)
     drafter.config.confidence_temperatures = None
@@ -511,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--drafter", default=None)
     cal.add_argument("--target", default=None)
     cal.add_argument("--prompts", nargs="+", required=True, help="calibration prompts (disjoint from train/eval)")
-    cal.add_argument("--exclude", nargs="*", default=None, help=EXCLUDE_HELP)
+    cal.add_argument("--exclude", nargs="*", default=[], help=EXCLUDE_HELP)
     cal.add_argument("--num-prompts", type=int, default=100)
     cal.add_argument("--sampling", choices=SAMPLINGS, default="balanced",
                      help="balanced: the same number of prompts from each set (as far as each set allows); "

@@ -155,10 +155,11 @@ def training_text(run: str | Path) -> str:
     final = (f"final: loss {last['loss']:.3f}, CE {last['ce']:.3f}, TV(L1) {last['tv']:.3f}, "
              f"confidence {last.get('confidence', float('nan')):.3f}, block accuracy {last['accuracy']:.3f}")
     init = Path(args["init_drafter"]) if args.get("init_drafter") else None
-    if args.get("train_modules") and init is not None and _run_folder(init) is not None:
+    base_run = _run_folder(init) if init is not None else None
+    if args.get("train_modules") and base_run is not None:
         # a fine-tune of some modules: the card describes the drafter it started from, then this stage
         modules = ", ".join(f"`{m}`" for m in args["train_modules"])
-        return (training_text(_run_folder(init)) + f"\n- Then {modules} alone was fine-tuned (everything else "
+        return (training_text(base_run) + f"\n- Then {modules} alone was fine-tuned (everything else "
                 f"frozen) on {data}; {budget}{label}; {final}.")
     lines = [
         f"- Data: {data}.",
