@@ -114,7 +114,10 @@ def cmd_train(args) -> int:
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
         mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
-        log_every=args.log_every, threads=args.threads,
+        log_every=args.log_every, threads=args.threads, eval_data_dirs=args.eval_data, eval_every=args.eval_every,
+        eval_sequences=args.eval_sequences,
+        init_layers_from_target=([int(x) for x in args.init_layers_from_target.split(",")]
+                                 if args.init_layers_from_target else None),
     )
     summary = DSparkTrainer(training_args).train()
     print(json.dumps(summary))
@@ -473,6 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--save-every", type=int, default=100)
     train.add_argument("--log-every", type=int, default=10)
     train.add_argument("--threads", type=int, default=None)
+    train.add_argument("--eval-data", nargs="+", default=None,
+                       help="held-out regenerated-data folders: held-out accepted length, per-position acceptance "
+                            "and losses in <output>/eval_log.jsonl (at the start, every --eval-every steps, the end)")
+    train.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: start/end)")
+    train.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences evaluated (fixed sample)")
+    train.add_argument("--init-layers-from-target", default=None, metavar="IDS",
+                       help="comma-separated target layer per drafter layer (0-based), e.g. 28,29: start the "
+                            "drafter's layers from those target layers instead of random weights")
     train.set_defaults(func=cmd_train)
 
     feat = sub.add_parser("features", help="cache target features of regenerated data (resumable)")

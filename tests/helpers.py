@@ -99,5 +99,5 @@ def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head:
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
     drafter.eval()
-    drafter.training_summary = {k: float(v.detach()) for k, v in losses.items()}
+    drafter.training_summary = {k: float(v.detach()) for k, v in losses.items() if v.dim() == 0}
     return drafter

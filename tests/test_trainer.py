@@ -2,19 +2,21 @@
 
 import json
 
+import pytest
 import torch
 
 from hf_dspark import DSparkDrafter
+from hf_dspark.training.losses import leading_matches
 from hf_dspark.training.trainer import DSparkTrainer, TrainingArguments
 from tests.helpers import random_prompts, target_greedy_sequences
 
 
-def write_regenerated(folder, target, n=24):
+def write_regenerated(folder, target, n=24, ids="x", seed=3):
     folder.mkdir(parents=True)
-    sequences, prompt_len = target_greedy_sequences(target, random_prompts(n, 6, target.config.vocab_size, 3), 24)
+    sequences, prompt_len = target_greedy_sequences(target, random_prompts(n, 6, target.config.vocab_size, seed), 24)
     with open(folder / "shard-00000.jsonl", "w") as f:
-        for row in sequences.tolist():
-            f.write(json.dumps({"id": "x", "domain": "chat", "set": "t", "turn": 0,
+        for i, row in enumerate(sequences.tolist()):
+            f.write(json.dumps({"id": ids if ids == "x" else f"{ids}-{i}", "domain": "chat", "set": "t", "turn": 0,
                                 "prompt_ids": row[:prompt_len], "response_ids": row[prompt_len:]}) + "\n")
 
 
@@ -142,3 +144,70 @@ def test_confidence_head_fine_tune_freezes_the_rest(tiny_targets, tmp_path):
     with pytest.raises(ValueError, match="resume with the same settings"):
         DSparkTrainer(make_args(tmp_path, "conf", max_steps=3, init_drafter=str(tmp_path / "calibrated"),
                                 confidence_target="sampling", train_modules=["confidence_head"]), target=target)
+
+
+def test_held_out_evaluation_logs_without_changing_training(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, ids="train")
+    write_regenerated(tmp_path / "heldout", target, n=8, ids="heldout", seed=11)
+    plain = DSparkTrainer(make_args(tmp_path, "plain"), target=target)
+    plain.train(progress=False)
+    evaluated = DSparkTrainer(make_args(tmp_path, "evaluated", eval_data_dirs=[str(tmp_path / "heldout")],
+                                       eval_every=3, eval_sequences=6), target=target)
+    evaluated.train(progress=False)
+    # Evaluating draws nothing from the training run's randomness: the weights come out the same.
+    for name, tensor in plain._unwrapped.state_dict().items():
+        torch.testing.assert_close(evaluated._unwrapped.state_dict()[name], tensor, msg=name)
+    log = [json.loads(line) for line in open(tmp_path / "evaluated" / "eval_log.jsonl")]
+    assert [row["step"] for row in log] == [0, 3, 6]
+    for row in log:
+        assert row["eval_sequences"] == 6 and row["eval_blocks"] > 0
+        assert 1.0 <= row["eval_accepted_length"] <= 1.0 + 4
+        assert len(row["eval_position_acceptance"]) == 4
+        assert all(0.0 <= p <= 1.0 for p in row["eval_position_acceptance"])
+        assert {"eval_loss", "eval_ce", "eval_tv", "eval_confidence", "eval_accuracy"} <= set(row)
+    assert log[-1]["eval_loss"] < log[0]["eval_loss"]  # training on the target's outputs helps on new prompts too
+    # The same drafter evaluated twice gives the same numbers (fixed sample, fixed anchors).
+    again = evaluated.evaluate()
+    assert again["eval_accepted_length"] == log[-1]["eval_accepted_length"]
+    assert again["eval_loss"] == pytest.approx(log[-1]["eval_loss"], rel=1e-6)
+
+
+def test_held_out_evaluation_refuses_training_prompts(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8, ids="same")
+    write_regenerated(tmp_path / "heldout", target, n=8, ids="same", seed=11)
+    with pytest.raises(ValueError, match="shares 8 prompts with the training data"):
+        DSparkTrainer(make_args(tmp_path, "run", eval_data_dirs=[str(tmp_path / "heldout")]), target=target)
+
+
+def test_leading_matches_counts_whole_blocks_only():
+    matches = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    valid = torch.ones_like(matches)
+    valid[3, 3] = False  # cut short by the end of the response: left out
+    assert leading_matches(matches, valid).tolist() == [2, 0, 4]
+
+
+def test_layers_start_from_target_layers(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    last = target.config.num_hidden_layers - 1
+    trainer = DSparkTrainer(make_args(tmp_path, "init", max_steps=1, init_layers_from_target=[last]), target=target)
+    source = target.model.layers[last].state_dict()
+    layer = trainer._unwrapped.layers[0]
+    for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight"):
+        torch.testing.assert_close(layer.state_dict()[name], source[name].float(), msg=name)
+    assert torch.equal(layer.self_attn.q_norm.weight, torch.ones_like(layer.self_attn.q_norm.weight))  # its own
+    fresh = DSparkTrainer(make_args(tmp_path, "fresh", max_steps=1), target=target)._unwrapped.layers[0]
+    assert not torch.equal(fresh.mlp.up_proj.weight, layer.mlp.up_proj.weight)
+
+    with pytest.raises(ValueError, match="one target layer per drafter layer"):
+        DSparkTrainer(make_args(tmp_path, "two", init_layers_from_target=[0, 1]), target=target)
+    with pytest.raises(ValueError, match=f"target layer {last + 1} does not exist"):
+        DSparkTrainer(make_args(tmp_path, "range", init_layers_from_target=[last + 1]), target=target)
+    trainer._unwrapped.save_pretrained(tmp_path / "saved")
+    with pytest.raises(ValueError, match="cannot be combined with init_drafter"):
+        DSparkTrainer(make_args(tmp_path, "both", init_drafter=str(tmp_path / "saved"),
+                                init_layers_from_target=[last]), target=target)

@@ -115,7 +115,8 @@ def dspark_losses(
     """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
     head; each averaged with the per-position decay. With a draft vocabulary, p_d is zero outside it: the target's
     mass there counts fully in the L1 term, and labels outside it get no CE. Returns the weighted total as
-    ``"loss"`` and each term.
+    ``"loss"`` and each term, the token ``"accuracy"``, and ``"greedy_matches"`` (bool [b, A, g], not a scalar:
+    valid positions where the draft's argmax is the target's).
 
     ``confidence_target`` is what the confidence head learns to predict: ``"sampling"`` (the paper) the analytic
     acceptance rate of speculative sampling, ``1 - 0.5 * ||p_d - p_t||_1``; ``"greedy"`` the acceptance event of
@@ -148,9 +149,11 @@ def dspark_losses(
         if draft_vocab is not None:
             predicted = draft_vocab[predicted]
         out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
+        # Greedy acceptance events with teacher-forced previous tokens: the draft's argmax is the target's argmax.
+        out["greedy_matches"] = (predicted == target_logits.argmax(-1)) & valid
     if confidence_logits is not None:
         if confidence_target == "greedy":
-            label = (predicted == target_logits.argmax(-1)).float()
+            label = out["greedy_matches"].float()
         else:
             label = (1 - 0.5 * l1).clamp(0, 1).detach()
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), label, reduction="none")
@@ -158,6 +161,14 @@ def dspark_losses(
         total = total + weights["confidence"] * out["confidence"]
     out["loss"] = total
     return out
+
+
+def leading_matches(matches: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Drafts a whole-block greedy verification would accept, per block: the count of leading ``matches``
+    [N, g] in each block whose g positions are all ``valid`` (blocks cut short by the end of a response are left
+    out). The accepted length tau is one (the bonus token) plus their mean."""
+    full = valid.all(dim=-1)
+    return torch.cumprod(matches[full].long(), dim=-1).sum(dim=-1)
 
 
 def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids, loss_mask, num_anchors: int,
@@ -194,5 +205,7 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
         rows = target_last_hidden.reshape(b * n, -1).index_select(0, unique)
         target_logits = lm_head(rows.to(lm_head.weight.dtype))[inverse].view(b, num, g, -1)
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
-    return dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
-                         draft_vocab=drafter.draft_vocab, confidence_target=confidence_target)
+    out = dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
+                        draft_vocab=drafter.draft_vocab, confidence_target=confidence_target)
+    out["valid"] = blocks.valid  # [b, A, g] supervised block positions (with ``greedy_matches``: per-block metrics)
+    return out

@@ -25,7 +25,7 @@ import torch
 
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
-from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step
+from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step, leading_matches
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,13 @@ class TrainingArguments:
     # bookkeeping
     save_every: int = 100
     log_every: int = 10
+    # held-out evaluation (``eval_log.jsonl``): every ``eval_every`` steps (0: only at the start and the end, when
+    # ``eval_data_dirs`` is given) on at most ``eval_sequences`` sequences of these regenerated-data folders
+    eval_data_dirs: list[str] | None = None
     eval_every: int = 0
+    eval_sequences: int = 64
+    # start drafter layer i from target layer ``init_layers_from_target[i]`` (projections, MLP, norms); None: random
+    init_layers_from_target: list[int] | None = None
     threads: int | None = None
 
 
@@ -102,7 +108,8 @@ def load_sequences(shards: list[str], max_length: int) -> list[dict]:
                 if len(ids) > max_length:
                     ids, mask = ids[:max_length], mask[:max_length]
                 if sum(mask) >= 2:
-                    sequences.append({"input_ids": ids, "loss_mask": mask, "domain": record.get("domain", "chat")})
+                    sequences.append({"input_ids": ids, "loss_mask": mask, "domain": record.get("domain", "chat"),
+                                      "id": record.get("id")})
     if not sequences:
         raise ValueError("the training data holds no sequence with at least two response tokens")
     return sequences
@@ -119,6 +126,39 @@ def init_output_norm_from_target(drafter: DSparkDrafter, target) -> bool:
     with torch.no_grad():
         drafter.norm.weight.copy_(weight.detach().float())
     return True
+
+
+def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]) -> list[str]:
+    """Start drafter layer ``i`` from target decoder layer ``layer_ids[i]``: every parameter the two share by name
+    and shape (attention projections, MLP, the two layer norms) is copied; the drafter's own (per-head q/k norms)
+    keep their initialisation. Returns the names of the drafter parameters left as they were."""
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("init_layers_from_target: the target has no `model.layers` to copy decoder layers from")
+    if len(layer_ids) != len(drafter.layers):
+        raise ValueError(f"init_layers_from_target names {len(layer_ids)} target layers for a drafter with "
+                         f"{len(drafter.layers)} layers: give one target layer per drafter layer")
+    kept = []
+    for i, layer_id in enumerate(layer_ids):
+        if not 0 <= layer_id < len(layers):
+            raise ValueError(f"init_layers_from_target: target layer {layer_id} does not exist (the target has "
+                             f"layers 0..{len(layers) - 1})")
+        source = layers[layer_id].state_dict()
+        copied = 0
+        with torch.no_grad():
+            for name, param in drafter.layers[i].named_parameters():
+                if name not in source:
+                    kept.append(f"layers.{i}.{name}")
+                    continue
+                if source[name].shape != param.shape:
+                    raise ValueError(f"init_layers_from_target: layers.{i}.{name} is {tuple(param.shape)} in the "
+                                     f"drafter but {tuple(source[name].shape)} in target layer {layer_id}")
+                param.copy_(source[name].to(param.dtype))
+                copied += 1
+        if not copied:
+            raise ValueError(f"init_layers_from_target: target layer {layer_id} shares no parameter with the drafter's "
+                             "layers (not a Llama/Qwen-style decoder layer)")
+    return kept
 
 
 def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
@@ -199,6 +239,7 @@ class DSparkTrainer:
 
             self.features = FeatureStore(args.features_dir, self.shards, self.drafter.config.target_layer_ids,
                                          args.max_length)
+        self.eval_sequences = self._load_eval_sequences() if args.eval_data_dirs else None
         if not state and not args.init_drafter and self.drafter.draft_vocab is not None:
             vocab, coverage = frequent_tokens(self.sequences, args.draft_vocab_size, self._special_ids())
             self.drafter.set_draft_vocab(vocab)
@@ -230,7 +271,8 @@ class DSparkTrainer:
         state = json.loads(path.read_text())
         saved = state["args"]
         for key in ("sequential_head", "block_size", "num_hidden_layers", "markov_rank", "max_steps", "seed",
-                    "batch_size", "gradient_accumulation_steps", "num_anchors", "confidence_target", "train_modules"):
+                    "batch_size", "gradient_accumulation_steps", "num_anchors", "confidence_target", "train_modules",
+                    "init_layers_from_target"):
             if saved.get(key) != getattr(self.args, key):
                 raise ValueError(
                     f"{self.output_dir} holds a run with {key}={saved.get(key)!r}, now {getattr(self.args, key)!r}; "
@@ -271,6 +313,9 @@ class DSparkTrainer:
         if state and not self.args.lora:
             return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
         if self.args.init_drafter:
+            if self.args.init_layers_from_target is not None:
+                raise ValueError("init_layers_from_target starts a new drafter; it cannot be combined with "
+                                 "init_drafter")
             drafter = DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
             if self._trains_confidence_head():  # an untouched head keeps its temperatures and its label
                 if drafter.config.confidence_temperatures is not None:
@@ -294,6 +339,10 @@ class DSparkTrainer:
         config = DSparkConfig.for_target(self.target.config, **overrides)
         drafter = DSparkDrafter(config).to(torch.float32)
         init_output_norm_from_target(drafter, self.target)
+        if self.args.init_layers_from_target is not None:
+            kept = init_layers_from_target(drafter, self.target, self.args.init_layers_from_target)
+            logger.info("drafter layers start from target layers %s (kept their own init: %s)",
+                        self.args.init_layers_from_target, kept)
         return drafter
 
     def _trains_confidence_head(self) -> bool:
@@ -348,6 +397,22 @@ class DSparkTrainer:
         self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
         logger.info("resumed from step %d", self.step)
 
+    def _log_eval(self, writer) -> dict | None:
+        """Evaluate on the main process and append the result to ``eval_log.jsonl`` (and TensorBoard)."""
+        result = None
+        if self.accelerator.is_main_process:
+            result = {"step": self.step, **self.evaluate()}
+            with open(self.output_dir / "eval_log.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(result) + "\n")
+            if writer is not None:
+                for k, v in result.items():
+                    if isinstance(v, float):
+                        writer.add_scalar(f"eval/{k[5:]}", v, self.step)
+            logger.info("step %d: held-out accepted length %.3f, accuracy %.3f", self.step,
+                        result["eval_accepted_length"], result["eval_accuracy"])
+        self.accelerator.wait_for_everyone()
+        return result
+
     # -- data --------------------------------------------------------------------------------------------------
     def _next_batch(self) -> dict[str, torch.Tensor]:
         per_step = self.args.batch_size * self.accelerator.num_processes
@@ -362,11 +427,68 @@ class DSparkTrainer:
         batch["index"] = torch.tensor(mine)
         return batch
 
+    def _load_eval_sequences(self) -> list[dict]:
+        """Held-out sequences (a fixed sample of ``eval_sequences``), refused if any shares a prompt with the
+        training data."""
+        if self.args.eval_sequences < 1:
+            raise ValueError(f"eval_sequences must be >= 1, got {self.args.eval_sequences}")
+        sequences = load_sequences(list_shards(self.args.eval_data_dirs), self.args.max_length)
+        train_ids = {seq["id"] for seq in self.sequences if seq["id"] is not None}
+        shared = sorted({seq["id"] for seq in sequences if seq["id"] in train_ids})
+        if shared:
+            raise ValueError(f"the evaluation data shares {len(shared)} prompts with the training data (e.g. "
+                             f"{shared[:3]}): held-out metrics need prompts the drafter does not train on")
+        order = list(range(len(sequences)))
+        random.Random(self.args.seed).shuffle(order)
+        return [sequences[i] for i in sorted(order[: self.args.eval_sequences])]
+
     @torch.no_grad()
-    def _target_features(self, batch):
-        if self.features is not None:
-            hidden, last = self.features.batch(batch["index"].tolist(), batch["input_ids"].shape[1])
-            return hidden.to(self.accelerator.device), last.to(self.accelerator.device)
+    def evaluate(self) -> dict:
+        """Held-out metrics of the drafter as it is now, on the fixed evaluation sample with fixed anchors: the
+        losses, token accuracy, per-position greedy acceptance with teacher-forced previous tokens (the draft's
+        argmax is the target's), and the accepted length tau those give a whole block (bonus token included;
+        blocks with all g positions inside the response)."""
+        if not self.eval_sequences:
+            raise ValueError("no evaluation data: pass eval_data_dirs (--eval-data)")
+        drafter = self._unwrapped
+        was_training = drafter.training
+        drafter.eval()
+        generator = torch.Generator()
+        totals: dict[str, float] = {}
+        matches = valid = None
+        accepted, blocks, batches = 0, 0, 0
+        size = self.args.batch_size
+        for start in range(0, len(self.eval_sequences), size):
+            chunk = self.eval_sequences[start : start + size]
+            batch = {k: v.to(self.accelerator.device) for k, v in collate(chunk, self.pad_id).items()}
+            features, last_hidden = self._online_features(batch)
+            generator.manual_seed(self.args.seed * 7919 + 104_729 + start)  # the same anchors at every evaluation
+            out = drafter_training_step(drafter, features, last_hidden, batch["input_ids"], batch["loss_mask"],
+                                        num_anchors=self.args.num_anchors, gamma=self.args.gamma,
+                                        weights=self.args.loss_weights, generator=generator,
+                                        confidence_target=self.args.confidence_target)
+            for k, v in out.items():
+                if v.dim() == 0:
+                    totals[k] = totals.get(k, 0.0) + float(v)
+            batches += 1
+            m = out["greedy_matches"].flatten(0, 1)  # [blocks, g]
+            v = out["valid"].flatten(0, 1)
+            matches = m.sum(0).double() if matches is None else matches + m.sum(0).double()
+            valid = v.sum(0).double() if valid is None else valid + v.sum(0).double()
+            leading = leading_matches(m, v)
+            accepted += int(leading.sum())
+            blocks += leading.numel()
+        if was_training:
+            drafter.train()
+        result = {f"eval_{k}": v / batches for k, v in totals.items()}
+        result["eval_position_acceptance"] = (matches / valid.clamp(min=1)).tolist()
+        result["eval_accepted_length"] = 1.0 + accepted / max(blocks, 1)
+        result["eval_blocks"] = blocks
+        result["eval_sequences"] = len(self.eval_sequences)
+        return result
+
+    @torch.no_grad()
+    def _online_features(self, batch):
         out = self.target(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -375,6 +497,13 @@ class DSparkTrainer:
         )
         hidden = self._unwrapped.gather_target_hidden(out.hidden_states, self._unwrapped.config.target_layer_ids)
         return hidden.float(), out.hidden_states[self.last_index]
+
+    @torch.no_grad()
+    def _target_features(self, batch):
+        if self.features is not None:
+            hidden, last = self.features.batch(batch["index"].tolist(), batch["input_ids"].shape[1])
+            return hidden.to(self.accelerator.device), last.to(self.accelerator.device)
+        return self._online_features(batch)
 
     # -- loop --------------------------------------------------------------------------------------------------
     def train(self, progress: bool = True, stop_at_step: int | None = None) -> dict:
@@ -390,6 +519,8 @@ class DSparkTrainer:
         totals: dict[str, float] = {}
         started = time.time()
         last = {}
+        if self.eval_sequences and self.step == 0:
+            self._log_eval(writer)  # where the drafter starts, for comparing initialisations
         while self.step < min(args.max_steps, stop_at_step or args.max_steps):
             generator.manual_seed(args.seed * 7919 + self.step)  # anchors depend only on (seed, step): exact resume
             for _ in range(args.gradient_accumulation_steps):
@@ -403,7 +534,8 @@ class DSparkTrainer:
                     self.optimizer.step()
                     self.optimizer.zero_grad()
                 for k, v in losses.items():
-                    totals[k] = totals.get(k, 0.0) + float(v.detach())
+                    if v.dim() == 0:
+                        totals[k] = totals.get(k, 0.0) + float(v.detach())
                 totals["n"] = totals.get("n", 0) + 1
             self.scheduler.step()
             self.step += 1
@@ -422,6 +554,9 @@ class DSparkTrainer:
                             if isinstance(v, float):
                                 writer.add_scalar(f"train/{k}", v, self.step)
                     bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}")
+            if self.eval_sequences and ((args.eval_every and self.step % args.eval_every == 0)
+                                        or self.step == args.max_steps):
+                self._log_eval(writer)
             if self.step % args.save_every == 0 or self.step in (args.max_steps, stop_at_step):
                 self.save_checkpoint()
         bar.close()
