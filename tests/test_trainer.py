@@ -7,7 +7,7 @@ import torch
 
 from hf_dspark import DSparkDrafter
 from hf_dspark.training.losses import leading_matches
-from hf_dspark.training.trainer import DSparkTrainer, TrainingArguments
+from hf_dspark.training.trainer import DSparkTrainer, TrainingArguments, collate
 from tests.helpers import random_prompts, target_greedy_sequences
 
 
@@ -211,3 +211,40 @@ def test_layers_start_from_target_layers(tiny_targets, tmp_path):
     with pytest.raises(ValueError, match="cannot be combined with init_drafter"):
         DSparkTrainer(make_args(tmp_path, "both", init_drafter=str(tmp_path / "saved"),
                                 init_layers_from_target=[last]), target=target)
+
+
+def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
+    """Two data folders each have a shard-00000.jsonl: one features folder serves each its own features, a
+    features file of other data is refused, and a pre-digest file is read and adopted."""
+    import os
+
+    from hf_dspark.training.features import FeatureStore, _legacy_name, cache_features, features_name
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "a", target, n=6, ids="a", seed=3)
+    write_regenerated(tmp_path / "b", target, n=5, ids="b", seed=7)
+    shards = [str(tmp_path / "a" / "shard-00000.jsonl"), str(tmp_path / "b" / "shard-00000.jsonl")]
+    summary = cache_features(target, shards, tmp_path / "feat", [0, 2], 512, dtype=torch.float32, progress=False)
+    assert summary["written"] == 2
+    store = FeatureStore(tmp_path / "feat", shards, [0, 2], 512)
+    trainer = DSparkTrainer(make_args(tmp_path, "online", data_dirs=[str(tmp_path / "a"), str(tmp_path / "b")],
+                                      max_steps=1), target=target)
+    assert len(store.hidden) == len(trainer.sequences) == 11
+    for i in (0, 6, 10):  # sequences of both folders
+        batch = collate([trainer.sequences[i]], 0)
+        hidden, last = trainer._online_features(batch)
+        torch.testing.assert_close(store.hidden[i], hidden[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(store.last[i], last[0], atol=1e-5, rtol=1e-5)
+
+    # Features of other data under this shard's name are refused, not served.
+    feat = tmp_path / "feat"
+    os.replace(feat / features_name(shards[1]), feat / "keep.safetensors")
+    os.replace(feat / features_name(shards[0]), feat / _legacy_name(shards[1]))
+    with pytest.raises(ValueError, match="do not match data shard"):
+        FeatureStore(feat, shards[1:], [0, 2], 512)
+    # A pre-digest file of the right shard is read, and cache_features adopts it instead of recomputing.
+    os.replace(feat / _legacy_name(shards[1]), feat / features_name(shards[0]))
+    os.replace(feat / "keep.safetensors", feat / _legacy_name(shards[1]))
+    FeatureStore(feat, shards, [0, 2], 512)
+    assert cache_features(target, shards, feat, [0, 2], 512, dtype=torch.float32, progress=False)["written"] == 0
+    assert (feat / features_name(shards[1])).is_file() and not (feat / _legacy_name(shards[1])).exists()

@@ -4,10 +4,17 @@ hidden state for every token of the regenerated data, in fp16/bf16 safetensors s
 Training then reads features instead of running the target each epoch; target logits are recomputed from the final
 hidden state only at supervised block positions (storing full-vocabulary logits would be prohibitive).
 Resumable: a features shard is written to a temporary file and renamed; finished shards are skipped.
+
+A features file is named after its data shard's file name AND a digest of the shard's contents, so shards of several
+data folders (each has a ``shard-00000.jsonl``) share one features folder without colliding, and an edited shard is
+recomputed rather than served stale features. Reading checks every file's sequence lengths against its shard.
+Files from before the digest (``features-<stem>.safetensors``) are still read, and renamed by ``cache_features``,
+once their lengths match the shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,8 +25,46 @@ from safetensors.torch import load_file, save_file
 from .trainer import load_sequences
 
 
+def shard_digest(shard: str | Path) -> str:
+    """First 16 hex digits of the SHA-256 of a data shard's bytes."""
+    digest = hashlib.sha256()
+    with open(shard, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def features_name(shard: str | Path) -> str:
+    return f"features-{Path(shard).stem}-{shard_digest(shard)}.safetensors"
+
+
+def _legacy_name(shard: str | Path) -> str:
     return f"features-{Path(shard).stem}.safetensors"
+
+
+def _check_lengths(path: Path, offsets: torch.Tensor, shard: str | Path, lengths: list[int]) -> None:
+    cached = (offsets[1:] - offsets[:-1]).tolist()
+    if cached != lengths:
+        raise ValueError(
+            f"cached features {path} do not match data shard {shard} ({len(cached)} sequences cached, {len(lengths)} "
+            "in the shard, or other lengths): they were computed for other data; delete the file and rerun "
+            "`hf-dspark features`"
+        )
+
+
+def _adopt_legacy(output_dir: Path, shard: str | Path, lengths: list[int]) -> bool:
+    """Rename a pre-digest features file of this shard to its digest name, once its lengths match the shard.
+    A legacy file of another shard with the same name (another data folder) is left alone."""
+    legacy = output_dir / _legacy_name(shard)
+    if not legacy.is_file():
+        return False
+    offsets = load_file(str(legacy))["offsets"]
+    try:
+        _check_lengths(legacy, offsets, shard, lengths)
+    except ValueError:
+        return False
+    os.replace(legacy, output_dir / features_name(shard))
+    return True
 
 
 @torch.no_grad()
@@ -45,6 +90,8 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         if final.exists():
             continue
         sequences = load_sequences([shard], max_length)
+        if _adopt_legacy(output_dir, shard, [len(s["input_ids"]) for s in sequences]):
+            continue
         hidden_rows, last_rows, lengths = [], [], []
         for start in range(0, len(sequences), batch_size):
             batch = sequences[start : start + batch_size]
@@ -65,7 +112,7 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         offsets = torch.tensor([0] + lengths).cumsum(0)
         tmp = final.with_suffix(".tmp")
         save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "offsets": offsets},
-                  str(tmp), metadata={"shard": Path(shard).name})
+                  str(tmp), metadata={"shard": Path(shard).name, "shard_sha256_16": shard_digest(shard)})
         os.replace(tmp, final)
         written += 1
     return {"output_dir": str(output_dir), "written": written, "shards": len(shards)}
@@ -86,8 +133,12 @@ class FeatureStore:
         for shard in shards:
             path = features_dir / features_name(shard)
             if not path.is_file():
+                path = features_dir / _legacy_name(shard)  # cached before the digest: checked by lengths below
+            if not path.is_file():
                 raise FileNotFoundError(f"missing cached features for {shard}: run `hf-dspark features` first")
             blob = load_file(str(path))
+            lengths = [len(s["input_ids"]) for s in load_sequences([shard], max_length)]
+            _check_lengths(path, blob["offsets"], shard, lengths)
             offsets = blob["offsets"].tolist()
             for a, b in zip(offsets[:-1], offsets[1:]):
                 self.hidden.append(blob["hidden"][a:b])
