@@ -163,8 +163,8 @@ def test_held_out_evaluation_logs_without_changing_training(tiny_targets, tmp_pa
     for row in log:
         assert row["eval_sequences"] == 6 and row["eval_blocks"] > 0
         assert 1.0 <= row["eval_accepted_length"] <= 1.0 + 4
-        assert len(row["eval_position_acceptance"]) == 4
-        assert all(0.0 <= p <= 1.0 for p in row["eval_position_acceptance"])
+        assert len(row["eval_position_match"]) == 4
+        assert all(0.0 <= p <= 1.0 for p in row["eval_position_match"])
         assert {"eval_loss", "eval_ce", "eval_tv", "eval_confidence", "eval_accuracy"} <= set(row)
     assert log[-1]["eval_loss"] < log[0]["eval_loss"]  # training on the target's outputs helps on new prompts too
     # The same drafter evaluated twice gives the same numbers (fixed sample, fixed anchors).

@@ -432,6 +432,9 @@ class DSparkTrainer:
         training data."""
         if self.args.eval_sequences < 1:
             raise ValueError(f"eval_sequences must be >= 1, got {self.args.eval_sequences}")
+        if self.args.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0 (0: evaluate at the start and the end only), got "
+                             f"{self.args.eval_every}")
         sequences = load_sequences(list_shards(self.args.eval_data_dirs), self.args.max_length)
         train_ids = {seq["id"] for seq in self.sequences if seq["id"] is not None}
         shared = sorted({seq["id"] for seq in sequences if seq["id"] in train_ids})
@@ -445,9 +448,10 @@ class DSparkTrainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out metrics of the drafter as it is now, on the fixed evaluation sample with fixed anchors: the
-        losses, token accuracy, per-position greedy acceptance with teacher-forced previous tokens (the draft's
-        argmax is the target's), and the accepted length tau those give a whole block (bonus token included;
-        blocks with all g positions inside the response)."""
+        losses, token accuracy, ``eval_position_match`` (per block position, the fraction of blocks where the draft's
+        argmax is the target's, previous tokens teacher-forced: unconditional, unlike the paper's position-wise
+        acceptance), and the accepted length tau a whole-block greedy verification would give (one plus the mean
+        number of leading matches, over blocks with all g positions inside the response)."""
         if not self.eval_sequences:
             raise ValueError("no evaluation data: pass eval_data_dirs (--eval-data)")
         drafter = self._unwrapped
@@ -481,7 +485,7 @@ class DSparkTrainer:
         if was_training:
             drafter.train()
         result = {f"eval_{k}": v / batches for k, v in totals.items()}
-        result["eval_position_acceptance"] = (matches / valid.clamp(min=1)).tolist()
+        result["eval_position_match"] = (matches / valid.clamp(min=1)).tolist()
         result["eval_accepted_length"] = 1.0 + accepted / max(blocks, 1)
         result["eval_blocks"] = blocks
         result["eval_sequences"] = len(self.eval_sequences)

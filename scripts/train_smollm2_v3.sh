@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Next round of the embedded SmolLM2-135M-Instruct drafters: continue both shipped drafters (DSpark and the DFlash
+# ablation, same steps and data) on all regenerated data, i.e. data/regen-smollm2 plus data/regen-smollm2-b, with
+# held-out evaluation on data/regen-smollm2-heldout (eval_log.jsonl: stop when tau stops rising). Every step is
+# resumable: re-run the script after an interruption.
+#
+# data/regen-smollm2-b grows for as long as its regeneration runs (command in data/README.md); training pins the
+# shards finished when it starts. Afterwards, as for the shipped drafter: fine-tune the DSpark confidence head alone
+# on the held-out data (reports/confidence-heldout-v5/README.md), recalibrate, evaluate, package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${HF:-}" ]; then
+    ./scripts/setup_env.sh
+    HF=.venv/bin/hf-dspark
+fi
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+WORKERS=${WORKERS:-2}
+DATA=(data/regen-smollm2 data/regen-smollm2-b)
+FEATURES=${FEATURES:-data_cache/features-smollm2}
+STEPS=${STEPS:-1500}
+COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size 4 --num-anchors 64
+        --max-steps "$STEPS" --lr 5e-4 --save-every 50 --threads 1
+        --eval-data data/regen-smollm2-heldout --eval-every 250 --eval-sequences 64)
+
+# 1. target features of every finished shard of both folders (one features folder: files are named by digest)
+for ((w = 0; w < WORKERS; w++)); do
+    $HF features --data "${DATA[@]}" --output "$FEATURES" --threads 1 --num-workers "$WORKERS" --worker-index "$w" &
+done
+wait
+# 2. both drafters continue from the shipped ones, same data / steps / schedule
+$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dspark --output runs/smollm2-dspark-v3 &
+$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dflash --output runs/smollm2-dflash-v3 &
+wait
