@@ -50,13 +50,16 @@ def cmd_generate(args) -> int:
     torch.manual_seed(args.seed)
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
-    drafter.generation_config.verification_policy = args.policy
+    # Default: the prefix scheduler where the drafter has a confidence head (the method's point), else whole blocks.
+    policy = args.policy or ("scheduler" if drafter.confidence_head is not None else "fixed")
+    drafter.generation_config.verification_policy = policy
     if args.threshold is not None:
         drafter.generation_config.confidence_threshold = args.threshold
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}); drafter: {origin}", flush=True)
+    print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}); drafter: {origin}; verification "
+          f"policy: {policy}", flush=True)
     results = {}
     runs = (("plain", {}), ("dspark", {"assistant_model": drafter}))
     for _, extra in runs:  # warm-up (first-call costs, SPS profiling) outside the timed runs
@@ -416,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    gen.add_argument("--policy", default="fixed", help="verification policy: fixed | threshold | <registered>")
+    gen.add_argument("--policy", default=None,
+                     help="verification policy: fixed | threshold | scheduler | <registered> (default: scheduler "
+                          "for drafters with a confidence head, else fixed)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence threshold for --policy threshold")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

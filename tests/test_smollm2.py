@@ -37,18 +37,22 @@ def test_load_default(smollm2):
     assert tokenizer.eos_token == "<|im_end|>"
 
 
-def test_main_command_generate(capsys, smollm2):
-    """The README's main job (`hf-dspark generate`) on the embedded default: identical output, JSON summary."""
+@pytest.mark.parametrize("policy", [None, "threshold"])
+def test_main_command_generate(capsys, smollm2, policy):
+    """The README's main job (`hf-dspark generate`) on the embedded default: identical output, JSON summary; by
+    default the prefix scheduler verifies (the embedded drafter has a confidence head)."""
     import json
 
     from hf_dspark.cli import main
 
     threads = torch.get_num_threads()
     try:
-        assert main(["generate", "--max-new-tokens", "12", "--threads", "1", "--policy", "threshold", "--json"]) == 0
+        extra = [] if policy is None else ["--policy", policy]
+        assert main(["generate", "--max-new-tokens", "12", "--threads", "1", "--json", *extra]) == 0
     finally:
         torch.set_num_threads(threads)  # the CLI sets the process-wide thread count
     out = capsys.readouterr().out
+    assert f"verification policy: {policy or 'scheduler'}" in out
     assert "identical output: True" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["plain"]["tokens"] == summary["dspark"]["tokens"] == 12
