@@ -21,6 +21,14 @@ EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter f
                 "or text files of prompt ids, one per line")
 
 
+def _int_list(text: str) -> list[int]:
+    """argparse type for comma-separated integers (layer ids), e.g. ``28,29``."""
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def _load_target(name: str | None, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -106,12 +114,11 @@ def cmd_data(args) -> int:
 def cmd_train(args) -> int:
     from .training.trainer import DSparkTrainer, TrainingArguments
 
-    layer_ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
     training_args = TrainingArguments(
         output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
         features_dir=args.features, lora=args.lora, lora_rank=args.lora_rank,
         sequential_head=args.sequential_head, block_size=args.block_size, num_hidden_layers=args.num_layers,
-        markov_rank=args.markov_rank, target_layer_ids=layer_ids,
+        markov_rank=args.markov_rank, target_layer_ids=args.target_layer_ids,
         enable_confidence_head=not args.no_confidence_head, draft_vocab_size=args.draft_vocab_size,
         confidence_target=args.confidence_target, train_modules=args.train_modules, max_steps=args.max_steps,
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
@@ -119,8 +126,7 @@ def cmd_train(args) -> int:
         mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
         log_every=args.log_every, threads=args.threads, eval_data_dirs=args.eval_data, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences,
-        init_layers_from_target=([int(x) for x in args.init_layers_from_target.split(",")]
-                                 if args.init_layers_from_target else None),
+        init_layers_from_target=args.init_layers_from_target,
     )
     summary = DSparkTrainer(training_args).train()
     print(json.dumps(summary))
@@ -133,8 +139,7 @@ def cmd_features(args) -> int:
     from .training.trainer import list_shards
 
     target, _, _ = _setup_target(args, args.target_dtype)
-    layer_ids = ([int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids
-                 else DSparkConfig.for_target(target.config).target_layer_ids)
+    layer_ids = args.target_layer_ids or DSparkConfig.for_target(target.config).target_layer_ids
     summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
                              dtype=DTYPES[args.dtype], batch_size=args.batch_size, worker_index=args.worker_index,
                              num_workers=args.num_workers)
@@ -461,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--block-size", type=int, default=7)
     train.add_argument("--num-layers", type=int, default=2)
     train.add_argument("--markov-rank", type=int, default=256)
-    train.add_argument("--target-layer-ids", default=None, help="comma-separated, reference numbering")
+    train.add_argument("--target-layer-ids", type=_int_list, default=None, help="comma-separated, reference numbering")
     train.add_argument("--no-confidence-head", action="store_true")
     train.add_argument("--confidence-target", choices=["sampling", "greedy"], default="sampling",
                        help="confidence head label: sampling acceptance rate 1 - TV (paper) or greedy argmax match")
@@ -486,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "and losses in <output>/eval_log.jsonl (at the start, every --eval-every steps, the end)")
     train.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: start/end)")
     train.add_argument("--eval-sequences", type=int, default=64, help="held-out sequences evaluated (fixed sample)")
-    train.add_argument("--init-layers-from-target", default=None, metavar="IDS",
+    train.add_argument("--init-layers-from-target", type=_int_list, default=None, metavar="IDS",
                        help="comma-separated target layer per drafter layer (0-based), e.g. 28,29: start the "
                             "drafter's layers from those target layers instead of random weights")
     train.set_defaults(func=cmd_train)
@@ -495,7 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     feat.add_argument("--data", nargs="+", required=True)
     feat.add_argument("--output", required=True)
     feat.add_argument("--target", default=None)
-    feat.add_argument("--target-layer-ids", default=None, help="comma-separated (default: the drafter default)")
+    feat.add_argument("--target-layer-ids", type=_int_list, default=None, help="comma-separated (default: the drafter default)")
     feat.add_argument("--max-length", type=int, default=512)
     feat.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     feat.add_argument("--target-dtype", choices=sorted(DTYPES), default="float32")

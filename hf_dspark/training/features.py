@@ -34,8 +34,9 @@ def shard_digest(shard: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def features_name(shard: str | Path) -> str:
-    return f"features-{Path(shard).stem}-{shard_digest(shard)}.safetensors"
+def features_name(shard: str | Path, digest: str | None = None) -> str:
+    """``features-<stem>-<digest>.safetensors`` (``digest``: the shard's ``shard_digest``, computed if not given)."""
+    return f"features-{Path(shard).stem}-{digest or shard_digest(shard)}.safetensors"
 
 
 def _legacy_name(shard: str | Path) -> str:
@@ -52,10 +53,10 @@ def _check_lengths(path: Path, offsets: torch.Tensor, shard: str | Path, lengths
         )
 
 
-def _adopt_legacy(output_dir: Path, shard: str | Path, lengths: list[int]) -> bool:
-    """Rename a pre-digest features file of this shard to its digest name, once its lengths match the shard.
-    A legacy file of another shard with the same name (another data folder) is left alone."""
-    legacy = output_dir / _legacy_name(shard)
+def _adopt_legacy(final: Path, shard: str | Path, lengths: list[int]) -> bool:
+    """Rename a pre-digest features file of this shard to ``final``, its digest name, once its lengths match the
+    shard. A legacy file of another shard with the same name (another data folder) is left alone."""
+    legacy = final.parent / _legacy_name(shard)
     if not legacy.is_file():
         return False
     offsets = load_file(str(legacy))["offsets"]
@@ -63,7 +64,7 @@ def _adopt_legacy(output_dir: Path, shard: str | Path, lengths: list[int]) -> bo
         _check_lengths(legacy, offsets, shard, lengths)
     except ValueError:
         return False
-    os.replace(legacy, output_dir / features_name(shard))
+    os.replace(legacy, final)
     return True
 
 
@@ -86,11 +87,12 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
     written = 0
     mine = [shard for i, shard in enumerate(shards) if i % num_workers == worker_index]
     for shard in tqdm(mine, desc="target features", disable=not progress):
-        final = output_dir / features_name(shard)
+        digest = shard_digest(shard)
+        final = output_dir / features_name(shard, digest)
         if final.exists():
             continue
         sequences = load_sequences([shard], max_length)
-        if _adopt_legacy(output_dir, shard, [len(s["input_ids"]) for s in sequences]):
+        if _adopt_legacy(final, shard, [len(s["input_ids"]) for s in sequences]):
             continue
         hidden_rows, last_rows, lengths = [], [], []
         for start in range(0, len(sequences), batch_size):
@@ -112,7 +114,7 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         offsets = torch.tensor([0] + lengths).cumsum(0)
         tmp = final.with_suffix(".tmp")
         save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "offsets": offsets},
-                  str(tmp), metadata={"shard": Path(shard).name, "shard_sha256_16": shard_digest(shard)})
+                  str(tmp), metadata={"shard": Path(shard).name, "shard_sha256_16": digest})
         os.replace(tmp, final)
         written += 1
     return {"output_dir": str(output_dir), "written": written, "shards": len(shards)}

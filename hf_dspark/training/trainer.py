@@ -459,7 +459,8 @@ class DSparkTrainer:
         drafter.eval()
         generator = torch.Generator()
         totals: dict[str, float] = {}
-        matches = valid = None
+        matches = torch.zeros(drafter.config.block_size, dtype=torch.float64)  # per position, over all blocks
+        valid = torch.zeros_like(matches)
         accepted, blocks, batches = 0, 0, 0
         size = self.args.batch_size
         for start in range(0, len(self.eval_sequences), size):
@@ -477,8 +478,8 @@ class DSparkTrainer:
             batches += 1
             m = out["greedy_matches"].flatten(0, 1)  # [blocks, g]
             v = out["valid"].flatten(0, 1)
-            matches = m.sum(0).double() if matches is None else matches + m.sum(0).double()
-            valid = v.sum(0).double() if valid is None else valid + v.sum(0).double()
+            matches += m.sum(0).double().cpu()
+            valid += v.sum(0).double().cpu()
             leading = leading_matches(m, v)
             accepted += int(leading.sum())
             blocks += leading.numel()
