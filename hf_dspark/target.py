@@ -38,7 +38,7 @@ def smollm2_gguf_path() -> Path:
 def smollm2_folder() -> Path:
     """Return a transformers folder (config, tokenizer, safetensors) for SmolLM2-135M-Instruct, converting once."""
     folder = cache_root() / "targets" / SMOLLM2_NAME
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+    if _is_complete(folder):
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -59,13 +59,34 @@ def smollm2_folder() -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        _publish(tmp, folder)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return folder
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Move a finished conversion in ``tmp`` to ``folder``, safely when several processes convert at once.
+
+    A complete ``folder`` published meanwhile by another process is kept (it may be being read: replacing it would
+    delete files under that reader); ``tmp`` is then discarded by the caller. Only an incomplete leftover is
+    replaced.
+    """
+    if _is_complete(folder):
+        return
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp.rename(folder)
+    except OSError:
+        # Another process renamed its copy in between our check and our rename: use it if it is whole.
+        if not _is_complete(folder):
+            raise
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):

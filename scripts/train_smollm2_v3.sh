@@ -17,10 +17,10 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
 WORKERS=${WORKERS:-2}
 DATA=(data/regen-smollm2 data/regen-smollm2-b)
 FEATURES=${FEATURES:-data_cache/features-smollm2}
-STEPS=${STEPS:-1500}
+STEPS=${STEPS:-1500}   # STEPS=600 EVAL_EVERY=200 fit one working session (about 1.5 h of training)
 COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size 4 --num-anchors 64
         --max-steps "$STEPS" --lr 5e-4 --save-every 50 --threads 1
-        --eval-data data/regen-smollm2-heldout --eval-every 250 --eval-sequences 64)
+        --eval-data data/regen-smollm2-heldout --eval-every "${EVAL_EVERY:-250}" --eval-sequences 64)
 
 # 1. target features of every finished shard of both folders (one features folder: files are named by digest)
 for ((w = 0; w < WORKERS; w++)); do
