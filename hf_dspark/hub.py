@@ -170,7 +170,7 @@ def training_text(run: str | Path) -> str:
     if args.get("train_modules"):
         lines.append(f"- Trained modules: {', '.join(args['train_modules'])} (the rest frozen).")
     if init is not None:
-        lines.append(_warm_start_text(init))
+        lines.append(_warm_start_text(init, own_final=final))
     return "\n".join(lines)
 
 
@@ -202,12 +202,22 @@ def _run_folder(drafter: Path) -> Path | None:
     return parent if (parent / "checkpoint-last" / "trainer_state.json").is_file() else None
 
 
-def _warm_start_text(init: Path) -> str:
+def _warm_start_text(init: Path, own_final: str | None = None) -> str:
     """A card line for a run that started from an earlier drafter (``hf-dspark train --init-drafter``), with that
-    drafter's own budget when its run folder (the drafter's parent) is at hand."""
+    drafter's own budget when its run folder (the drafter's parent) is at hand, or else its card's training section
+    (a packaged drafter, e.g. the embedded one a new round continued)."""
     parent = _run_folder(init)
     if parent is None:
-        return f"- Initialised from the drafter `{init}` (its run folder was not found, so its budget is not listed)."
+        section = _card_training_section(init)
+        if section is None:
+            return (f"- Initialised from the drafter `{init}` (neither its run folder nor a model card with a "
+                    "training section was found, so its budget is not listed).")
+        if own_final is not None and own_final in section:
+            # packaging a run over the folder it started from, a second time: that card already describes this run
+            raise ValueError(f"the card of {init} (this run's starting drafter) already describes this run; package "
+                             "it from the starting drafter's original card (e.g. restore that folder from git)")
+        quoted = "\n".join(f"  {line}" if line.strip() else line for line in section.splitlines())
+        return f"- Initialised from the packaged drafter `{init}`, itself trained as follows:\n{quoted}"
     state = json.loads((parent / "checkpoint-last" / "trainer_state.json").read_text(encoding="utf-8"))
     args = state["args"]
     sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
@@ -216,6 +226,12 @@ def _warm_start_text(init: Path) -> str:
     if args.get("init_drafter"):
         text += "\n" + _warm_start_text(Path(args["init_drafter"]))
     return text
+
+
+def _card_training_section(folder: Path) -> str | None:
+    """The "Training" section of the model card in a drafter folder, if it has one."""
+    card = folder / "README.md"
+    return _card_section(card.read_text(encoding="utf-8"), "Training") if card.is_file() else None
 
 
 def _source_folder(drafter: DSparkDrafter) -> Path | None:

@@ -174,7 +174,20 @@ def test_training_text_from_run(tmp_path):
            "sequence, 2 shards, lr 0.0006)." in text
     (child / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
         {"args": {**args, "init_drafter": str(tmp_path / "elsewhere")}, "step": 50, "shards": shards}))
-    assert "its run folder was not found" in training_text(child)
+    assert "neither its run folder nor a model card with a training section was found" in training_text(child)
+    # a packaged drafter (no run folder) is described by its model card's training section, quoted
+    packaged = tmp_path / "elsewhere"
+    packaged.mkdir()
+    (packaged / "README.md").write_text("# d\n\n## Training\n\n- Data: earlier turns.\n- Budget: 9 steps.\n\n"
+                                        "## Evaluation\n\nx\n")
+    text = training_text(child)
+    assert text.endswith(f"- Initialised from the packaged drafter `{packaged}`, itself trained as follows:\n"
+                         "  - Data: earlier turns.\n  - Budget: 9 steps.")
+    # once that folder carries this run's own card, packaging the run again would quote itself: refused
+    (packaged / "README.md").write_text(f"# d\n\n## Training\n\n{text}\n")
+    with pytest.raises(ValueError, match="already describes this run"):
+        training_text(child)
+    (packaged / "README.md").unlink()
     # a fine-tune of the confidence head alone: the base drafter's whole description, then that stage
     head = tmp_path / "head"
     (head / "checkpoint-last").mkdir(parents=True)
@@ -191,7 +204,7 @@ def test_training_text_from_run(tmp_path):
         {"args": {**args, "init_drafter": str(tmp_path / "elsewhere"), "train_modules": ["confidence_head"]},
          "step": 30, "shards": shards}))
     text = training_text(head)
-    assert "- Trained modules: confidence_head (the rest frozen)." in text and "was not found" in text
+    assert "- Trained modules: confidence_head (the rest frozen)." in text and "nor a model card" in text
     with pytest.raises(FileNotFoundError, match="not a training run folder"):
         training_text(tmp_path / "nothing")
 
