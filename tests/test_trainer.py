@@ -39,7 +39,12 @@ def test_training_reduces_loss_and_resumes_exactly(tiny_targets, tmp_path):
     DSparkTrainer(make_args(tmp_path, "resumed"), target=target).train(progress=False, stop_at_step=3)
     resumed = DSparkTrainer(make_args(tmp_path, "resumed"), target=target)
     assert resumed.step == 3
+    # the training time of the interrupted session carries over: logs (and model cards) count the whole run
+    first_session = json.loads((tmp_path / "resumed" / "checkpoint-last" / "trainer_state.json").read_text())
+    assert first_session["elapsed_s"] > 0 and resumed.elapsed_before == first_session["elapsed_s"]
     resumed.train(progress=False)
+    elapsed = [json.loads(line)["elapsed_s"] for line in open(tmp_path / "resumed" / "train_log.jsonl")]
+    assert len(elapsed) == 6 and elapsed == sorted(elapsed) and elapsed[3] > first_session["elapsed_s"]
     a = DSparkDrafter.from_pretrained(tmp_path / "straight" / "drafter")
     b = DSparkDrafter.from_pretrained(tmp_path / "resumed" / "drafter")
     for name, tensor in a.state_dict().items():

@@ -253,6 +253,9 @@ class DSparkTrainer:
         # The whole loss runs inside one module's forward, so data-parallel wrappers see every parameter used.
         self.loss_module, self.optimizer = self.accelerator.prepare(_LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights, args.confidence_target), self.optimizer)
         self.step, self.epoch, self.position = 0, 0, 0
+        # training seconds of earlier sessions of this run (kept in the checkpoint, so a resumed run's logs and card
+        # report the whole budget), and when this session's clock started
+        self.elapsed_before, self._started = 0.0, time.time()
         if state:
             self._load_checkpoint(state)
         self.pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
@@ -379,7 +382,7 @@ class DSparkTrainer:
             tmp / "training_state.pt",
         )
         state = {"args": asdict(self.args), "step": self.step, "epoch": self.epoch, "position": self.position,
-                 "shards": self.shards}
+                 "shards": self.shards, "elapsed_s": self._elapsed()}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
         old = self.output_dir / "checkpoint-old"
         if self.checkpoint_dir.exists():
@@ -388,6 +391,10 @@ class DSparkTrainer:
         if old.exists():
             shutil.rmtree(old)
 
+    def _elapsed(self) -> float:
+        """Seconds of training so far, over every session of this run."""
+        return self.elapsed_before + time.time() - self._started
+
     def _load_checkpoint(self, state: dict) -> None:
         blob = torch.load(self.checkpoint_dir / "training_state.pt", weights_only=False)
         self.optimizer.load_state_dict(blob["optimizer"])
@@ -395,6 +402,7 @@ class DSparkTrainer:
         torch.set_rng_state(blob["rng"]["torch"])
         random.setstate(blob["rng"]["python"])
         self.step, self.epoch, self.position = state["step"], state["epoch"], state["position"]
+        self.elapsed_before = state.get("elapsed_s", 0.0)  # absent in checkpoints written before it was kept
         logger.info("resumed from step %d", self.step)
 
     def _log_eval(self, writer) -> dict | None:
@@ -522,7 +530,7 @@ class DSparkTrainer:
                    disable=not (progress and self.accelerator.is_main_process))
         generator = torch.Generator()
         totals: dict[str, float] = {}
-        started = time.time()
+        self._started = time.time()
         last = {}
         if self.eval_sequences and self.step == 0:
             self._log_eval(writer)  # where the drafter starts, for comparing initialisations
@@ -549,7 +557,7 @@ class DSparkTrainer:
                 n = totals.pop("n")
                 last = {k: v / n for k, v in totals.items()}
                 last.update(step=self.step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch,
-                            elapsed_s=time.time() - started)
+                            elapsed_s=self._elapsed())
                 totals = {}
                 if self.accelerator.is_main_process:
                     with open(log_path, "a", encoding="utf-8") as f:
