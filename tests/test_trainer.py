@@ -36,7 +36,9 @@ def test_training_reduces_loss_and_resumes_exactly(tiny_targets, tmp_path):
     assert len(log) == 6 and log[-1]["loss"] < log[0]["loss"]
 
     # Interrupted run: stop after 3 steps (a checkpoint), then a fresh trainer resumes to 6.
-    DSparkTrainer(make_args(tmp_path, "resumed"), target=target).train(progress=False, stop_at_step=3)
+    interrupted = DSparkTrainer(make_args(tmp_path, "resumed"), target=target)
+    interrupted.train(progress=False, stop_at_step=3)
+    assert interrupted.elapsed_before > 0  # its time so far, for a later train() call on the same object
     resumed = DSparkTrainer(make_args(tmp_path, "resumed"), target=target)
     assert resumed.step == 3
     # the training time of the interrupted session carries over: logs (and model cards) count the whole run

@@ -255,7 +255,7 @@ class DSparkTrainer:
         self.step, self.epoch, self.position = 0, 0, 0
         # training seconds of earlier sessions of this run (kept in the checkpoint, so a resumed run's logs and card
         # report the whole budget), and when this session's clock started
-        self.elapsed_before, self._started = 0.0, time.time()
+        self.elapsed_before, self._started = 0.0, time.time()  # train() restarts the clock
         if state:
             self._load_checkpoint(state)
         self.pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
@@ -573,6 +573,7 @@ class DSparkTrainer:
             if self.step % args.save_every == 0 or self.step in (args.max_steps, stop_at_step):
                 self.save_checkpoint()
         bar.close()
+        self.elapsed_before = self._elapsed()  # a later train() call on this object continues the count
         if self.step < args.max_steps:
             return {"step": self.step, "paused": True, **last}
         if writer is not None:
