@@ -217,7 +217,8 @@ def _warm_start_text(init: Path, own_final: str | None = None) -> str:
             raise ValueError(f"the card of {init} (this run's starting drafter) already describes this run; package "
                              "it from the starting drafter's original card (e.g. restore that folder from git)")
         quoted = "\n".join(f"  {line}" if line.strip() else line for line in section.splitlines())
-        return f"- Initialised from the packaged drafter `{init}`, itself trained as follows:\n{quoted}"
+        return (f"- Initialised from the packaged drafter `{init}` as it stood when this run started, itself trained "
+                f"as follows:\n{quoted}")
     state = json.loads((parent / "checkpoint-last" / "trainer_state.json").read_text(encoding="utf-8"))
     args = state["args"]
     sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)

@@ -181,7 +181,8 @@ def test_training_text_from_run(tmp_path):
     (packaged / "README.md").write_text("# d\n\n## Training\n\n- Data: earlier turns.\n- Budget: 9 steps.\n\n"
                                         "## Evaluation\n\nx\n")
     text = training_text(child)
-    assert text.endswith(f"- Initialised from the packaged drafter `{packaged}`, itself trained as follows:\n"
+    assert text.endswith(f"- Initialised from the packaged drafter `{packaged}` as it stood when this run started, "
+                         "itself trained as follows:\n"
                          "  - Data: earlier turns.\n  - Budget: 9 steps.")
     # once that folder carries this run's own card, packaging the run again would quote itself: refused
     (packaged / "README.md").write_text(f"# d\n\n## Training\n\n{text}\n")
