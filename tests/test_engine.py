@@ -483,7 +483,12 @@ def test_realized_gate_decisions():
     assert not engine._realized_allows_drafting(4)  # 3 steps without a plain one: measure plain now
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
     assert not engine._realized_allows_drafting(4)
-    assert engine._realized_allows_drafting(8)  # other batch sizes are judged on their own
+    assert engine._realized_allows_drafting(2)  # a smaller batch size is judged on its own
+    assert not engine._realized_allows_drafting(8)  # a larger one not measured yet: drafting lost at 4, so not here
+    engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
+    engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
+    assert engine._realized_allows_drafting(8)  # measured at 8 itself (240 tok/s, plain not yet): its own verdict
+    assert not engine._realized_allows_drafting(16)  # 8 has no plain steps: 4 (drafting lost) decides
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
@@ -497,6 +502,7 @@ def test_realized_gate_decisions():
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     engine.measurements.record_step(4, True, emitted=40, seconds=0.1)  # window: (5 * 8 + 40) / 0.6 s = 133 tok/s
     assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
+    assert engine._realized_allows_drafting(6)  # and a larger batch size not yet measured may try again
     engine.measurements.record_step(4, True, emitted=40, seconds=0.1)
     assert not engine._realized_allows_drafting(4)  # winning, but plain last measured 3 steps ago: refresh it
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)

@@ -588,9 +588,11 @@ class DSparkEngine:
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins); when drafting has only
-            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. This
-            catches every cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps'
-            timings only, so it is lossless.
+            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. A
+            batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
+            rising past sizes where drafting lost does not draft at every new size to find out). This catches every
+            cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so
+            it is lossless.
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the

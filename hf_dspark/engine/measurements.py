@@ -90,10 +90,16 @@ class EngineMeasurements:
         delivered there: free until drafting has been measured twice; while only drafting is measured (or the plain
         side has not been refreshed for ``explore_interval`` steps), a plain step every ``explore_interval`` steps;
         otherwise the faster side, re-measuring a losing drafting side after a wait that starts at
-        ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing."""
+        ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing.
+
+        A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
+        where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
+        widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
+        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
+        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
-            return True  # drafting not measured here yet: let the model decide
+            return not self.drafting_lost_below(rows)  # not measured here yet: the model decides, unless...
         plain_rate = self.realized_rate(rows, False)
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if plain_rate is None:
@@ -106,6 +112,16 @@ class EngineMeasurements:
             return False
         self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
         return True
+
+    def drafting_lost_below(self, rows: int) -> bool:
+        """Whether drafting delivered fewer tokens per second than plain steps at the largest batch size below
+        ``rows`` where both were measured (drafting at least twice); False when there is none."""
+        measured = [r for (r, drafted), window in self.realized.items()
+                    if drafted and r < rows and len(window) >= 2 and self.realized.get((r, False))]
+        if not measured:
+            return False
+        nearest = max(measured)
+        return self.realized_rate(nearest, True) < self.realized_rate(nearest, False)
 
     # -- keys and files ------------------------------------------------------------------------------------------
     def bind(self, key: dict) -> None:
