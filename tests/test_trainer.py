@@ -39,6 +39,7 @@ def test_training_reduces_loss_and_resumes_exactly(tiny_targets, tmp_path):
     interrupted = DSparkTrainer(make_args(tmp_path, "resumed"), target=target)
     interrupted.train(progress=False, stop_at_step=3)
     assert interrupted.elapsed_before > 0  # its time so far, for a later train() call on the same object
+    assert interrupted._elapsed() == interrupted.elapsed_before  # the clock stops when train() returns
     resumed = DSparkTrainer(make_args(tmp_path, "resumed"), target=target)
     assert resumed.step == 3
     # the training time of the interrupted session carries over: logs (and model cards) count the whole run

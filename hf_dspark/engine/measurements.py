@@ -99,7 +99,7 @@ class EngineMeasurements:
         sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
-            return not self.drafting_lost_below(rows)  # not measured here yet: the model decides, unless...
+            return not self.drafting_lost_below(rows)  # not measured here: free, unless a smaller size lost
         plain_rate = self.realized_rate(rows, False)
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if plain_rate is None:

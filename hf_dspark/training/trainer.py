@@ -255,7 +255,8 @@ class DSparkTrainer:
         self.step, self.epoch, self.position = 0, 0, 0
         # training seconds of earlier sessions of this run (kept in the checkpoint, so a resumed run's logs and card
         # report the whole budget), and when this session's clock started
-        self.elapsed_before, self._started = 0.0, time.time()  # train() restarts the clock
+        self.elapsed_before = 0.0
+        self._started: float | None = None  # when train() started its clock; None outside train()
         if state:
             self._load_checkpoint(state)
         self.pad_id = (tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0)
@@ -392,8 +393,8 @@ class DSparkTrainer:
             shutil.rmtree(old)
 
     def _elapsed(self) -> float:
-        """Seconds of training so far, over every session of this run."""
-        return self.elapsed_before + time.time() - self._started
+        """Seconds of training so far, over every session of this run (the clock runs only inside train())."""
+        return self.elapsed_before + (0.0 if self._started is None else time.time() - self._started)
 
     def _load_checkpoint(self, state: dict) -> None:
         blob = torch.load(self.checkpoint_dir / "training_state.pt", weights_only=False)
@@ -573,7 +574,8 @@ class DSparkTrainer:
             if self.step % args.save_every == 0 or self.step in (args.max_steps, stop_at_step):
                 self.save_checkpoint()
         bar.close()
-        self.elapsed_before = self._elapsed()  # a later train() call on this object continues the count
+        # stop the clock: a later train() call continues the count, and a checkpoint saved in between adds nothing
+        self.elapsed_before, self._started = self._elapsed(), None
         if self.step < args.max_steps:
             return {"step": self.step, "paused": True, **last}
         if writer is not None:
