@@ -169,6 +169,10 @@ def cmd_bench(args) -> int:
                 settings["num_verify_tokens"] = int(value)
             if name == "threshold":
                 settings["confidence_threshold"] = float(value or 0.5)
+            if name == "scheduler" and value:
+                if value != "gated":
+                    raise SystemExit(f"--policies {policy}: expected scheduler or scheduler=gated")
+                settings["realized_gate"] = True
             methods[f"{label}:{policy}"] = settings
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
@@ -516,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--labels", nargs="*", default=None, help="a short name per --drafter")
     bench.add_argument("--target", default=None)
     bench.add_argument("--policies", nargs="+", default=["fixed"],
-                       help="fixed | fixed=N | threshold=T | scheduler (one method each)")
+                       help="fixed | fixed=N | threshold=T | scheduler | scheduler=gated (the scheduler with its "
+                            "opt-in realized gate); one method each")
     bench.add_argument("--prompt-lookup", type=int, default=0, help="also run prompt-lookup decoding with N tokens")
     bench.add_argument("--num-prompts", type=int, default=50, help="per prompt set")
     bench.add_argument("--max-new-tokens", type=int, default=256)

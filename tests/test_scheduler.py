@@ -8,6 +8,7 @@ import torch
 
 from hf_dspark.scheduling import (
     PrefixSchedulerPolicy,
+    RealizedGate,
     StepsPerSecond,
     dynamic_topk_capacity,
     prefix_schedule,
@@ -247,6 +248,59 @@ def test_policy_skips_drafting_when_the_drafter_costs_too_much():
     for _ in range(3):
         policy.observe(0, 0)  # skipped rounds
     assert policy.should_draft(2, draft_seconds=0.1)  # a probe is due
+
+
+def test_policy_realized_gate_overrides_confident_drafting():
+    """Confidences that always say "draft" do not draft while drafting rounds have delivered fewer tokens per second
+    than plain rounds: drafting is re-measured after ``explore_interval`` rounds, the wait doubling up to
+    ``max_explore_interval``; once drafting wins, the confidences decide again."""
+    flat = StepsPerSecond([1, 8], [100.0, 100.0])  # verification is free: the confidences always say "draft"
+    policy = PrefixSchedulerPolicy(flat, online_correction=False, realized_gate=True, explore_interval=2,
+                                   max_explore_interval=4)
+    assert policy.uses_realized_gate and policy.should_draft(2)  # no gate handed over yet: the confidences decide
+    gate = RealizedGate()
+    policy.set_realized_gate(gate)
+    policy.num_to_verify(torch.tensor([0.9, 0.9]), 2)
+    policy.observe(2, 2)
+    assert policy.should_draft(2)  # nothing measured yet
+    for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.1)):  # drafting: 1 token/s; plain: 10 tokens/s
+        policy.record_round(drafted, 1, seconds)
+    pattern = []
+    for _ in range(12):
+        drafted = policy.should_draft(2)
+        pattern.append(int(drafted))
+        policy.record_round(drafted, 1, 1.0 if drafted else 0.1)
+    assert pattern == [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1], pattern  # waits 2, then 4, 4 (capped)
+    assert gate.realized_rate(1, True) == pytest.approx(1.0) and gate.realized_rate(1, False) == pytest.approx(10.0)
+    for _ in range(40):  # drafting rounds now deliver 30 tokens/s
+        gate.record_step(1, True, 3, 0.1)
+    assert not policy.should_draft(2)  # drafting wins, but the plain side is stale: one plain round re-measures it
+    policy.record_round(False, 1, 0.1)
+    assert policy.should_draft(2)
+    ungated = PrefixSchedulerPolicy(flat, online_correction=False)  # the default: no gate
+    ungated.set_realized_gate(RealizedGate())
+    for _ in range(3):
+        ungated.gate.record_step(1, True, 1, 1.0)
+        ungated.gate.record_step(1, False, 1, 0.1)
+    assert not ungated.uses_realized_gate and ungated.should_draft(2)
+    ungated.record_round(True, 1, 1.0)  # ignored without the gate
+    assert len(ungated.gate.realized[(1, True)]) == 3
+    with pytest.raises(ValueError, match="explore_interval"):
+        PrefixSchedulerPolicy(flat, explore_interval=8, max_explore_interval=4)
+
+
+def test_policy_realized_gate_settings_from_generation_config():
+    from transformers import GenerationConfig
+
+    config = GenerationConfig()
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # default off
+    config.realized_gate = None  # what a restored, never-set attribute looks like
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate
+    config.realized_gate, config.explore_interval, config.max_explore_interval = True, 3, 9
+    policy = PrefixSchedulerPolicy.from_generation_config(config, 4)
+    assert policy.uses_realized_gate and (policy.explore_interval, policy.max_explore_interval) == (3, 9)
+    config.realized_gate, config.skip_drafting = True, False
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # it only gates skipping
 
 
 def test_policy_skip_decision_smooths_the_drafts_confidences():

@@ -16,8 +16,9 @@ import os
 from collections import deque
 from pathlib import Path
 
+from ..scheduling import REALIZED_WINDOW, RealizedGate
+
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter and verify moving averages
-REALIZED_WINDOW = 32  # whole steps per (batch size, drafted) behind the realized gate's tokens per second
 
 
 def ema(previous: float | None, value: float) -> float:
@@ -38,7 +39,7 @@ def measurement_key(target, drafter) -> dict:
     return key
 
 
-class EngineMeasurements:
+class EngineMeasurements(RealizedGate):
     """Moving averages of an engine's step timings, shareable across engines and savable as JSON.
 
     - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
@@ -52,14 +53,11 @@ class EngineMeasurements:
     """
 
     def __init__(self, key: dict | None = None):
+        super().__init__()
         self.key = key
         self.draft_cost: dict[int, float] = {}
         self.verify_cost: dict[tuple[int, int], float] = {}
-        self.realized: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         self.version = 0
-        # Exploration state of the realized gate (not saved: a loaded file starts a fresh schedule of re-measurements)
-        self.steps_since: dict[tuple[int, bool], int] = {}  # steps at R since the last (drafting, plain) step
-        self.explore_wait: dict[int, int] = {}  # R -> steps before drafting is re-measured while it loses
 
     # -- recording -----------------------------------------------------------------------------------------------
     def record_draft(self, bucket: int, seconds: float) -> None:
@@ -68,60 +66,6 @@ class EngineMeasurements:
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
         self.verify_cost[(rows, width)] = ema(self.verify_cost.get((rows, width)), seconds)
         self.version += 1
-
-    def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
-        key = (rows, drafted)
-        self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
-        self.steps_since[key] = 0
-        other = (rows, not drafted)
-        self.steps_since[other] = self.steps_since.get(other, 0) + 1
-
-    def realized_rate(self, rows: int, drafted: bool) -> float | None:
-        """Tokens per second of the recent whole steps at ``rows`` requests (with drafting or without), or None."""
-        window = self.realized.get((rows, drafted))
-        if not window:
-            return None
-        seconds = sum(s for _, s in window)
-        return sum(e for e, _ in window) / seconds if seconds > 0 else float("inf")
-
-    # -- the realized gate ---------------------------------------------------------------------------------------
-    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
-        """Whether a step at ``rows`` requests may draft, judged by the tokens per second recent whole steps
-        delivered there: free until drafting has been measured twice; while only drafting is measured (or the plain
-        side has not been refreshed for ``explore_interval`` steps), a plain step every ``explore_interval`` steps;
-        otherwise the faster side, re-measuring a losing drafting side after a wait that starts at
-        ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing.
-
-        A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
-        where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
-        widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
-        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
-        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
-        drafting = self.realized.get((rows, True))
-        if drafting is None or len(drafting) < 2:
-            return not self.drafting_lost_below(rows)  # not measured here: free, unless a smaller size lost
-        plain_rate = self.realized_rate(rows, False)
-        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
-        if plain_rate is None:
-            return fresh_plain
-        wait = self.explore_wait.get(rows, explore_interval)
-        if self.realized_rate(rows, True) >= plain_rate:
-            self.explore_wait[rows] = explore_interval
-            return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
-        if self.steps_since.get((rows, True), 0) < wait:
-            return False
-        self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
-        return True
-
-    def drafting_lost_below(self, rows: int) -> bool:
-        """Whether drafting delivered fewer tokens per second than plain steps at the largest batch size below
-        ``rows`` where both were measured (drafting at least twice); False when there is none."""
-        measured = [r for (r, drafted), window in self.realized.items()
-                    if drafted and r < rows and len(window) >= 2 and self.realized.get((r, False))]
-        if not measured:
-            return False
-        nearest = max(measured)
-        return self.realized_rate(nearest, True) < self.realized_rate(nearest, False)
 
     # -- keys and files ------------------------------------------------------------------------------------------
     def bind(self, key: dict) -> None:

@@ -30,9 +30,9 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
-    from .scheduling import VerificationPolicy, policy_from_generation_config
+    from .scheduling import RealizedGate, VerificationPolicy, policy_from_generation_config
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from scheduling import VerificationPolicy, policy_from_generation_config  # type: ignore[no-redef]
+    from scheduling import RealizedGate, VerificationPolicy, policy_from_generation_config  # type: ignore[no-redef]
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -169,12 +169,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
             self.policy.set_sps(_profile_target(target, self.block_size + 1))
+        if self.policy.uses_realized_gate:
+            self.policy.set_realized_gate(realized_gate_for(drafter, target))
         self.cache = drafter.new_context_cache()
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
         self._pending_round: tuple | None = None
         self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
+        # Whole-round timing for the policy: a round runs from one get_candidates call to the next (drafter,
+        # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
+        self._round_started: float | None = None
+        self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
@@ -204,6 +210,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
             raise ValueError(f"DSpark-assisted generate() runs one sequence at a time, got {input_ids.shape[0]}")
         if is_first_iteration:
             return input_ids, None  # the prefill forward produces the first anchor and the context features
+        now = time.perf_counter()
+        if self._round_started is not None and self._finished_round is not None:
+            self.policy.record_round(*self._finished_round, now - self._round_started)
+        self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
         anchor_position = input_ids.shape[1] - 1
         max_drafts = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
@@ -248,6 +258,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return  # the prefill round
         drafted, verified, confidences, confidence_logits, draft_ids = self._pending_round
         accepted = int(num_matches)
+        self._finished_round = (draft_ids is not None, accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits)
         self.policy.observe(verified, accepted)
         self._pending_round = None
@@ -260,6 +271,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 emitted_ids=input_ids[0, input_ids.shape[1] - accepted - 1:].tolist(),
                 confidences=confidences,
             ))
+
+
+def realized_gate_for(drafter, target) -> RealizedGate:
+    """The ``RealizedGate`` that ``generate()`` calls with this drafter and this target share (kept on the drafter,
+    one per target, device, dtype and thread count: rounds timed under other conditions say nothing here)."""
+    parameter = next(target.parameters())
+    key = (str(getattr(target.config, "_name_or_path", "") or type(target).__name__), id(target), str(parameter.device),
+           str(parameter.dtype), torch.get_num_threads())
+    gates = drafter.__dict__.setdefault("_dspark_realized_gates", {})
+    if key not in gates:
+        gates[key] = RealizedGate()
+    return gates[key]
 
 
 def _profile_target(target, max_batch_tokens: int):
@@ -379,5 +402,6 @@ __all__ = [
     "generate",
     "install_generate_dispatch",
     "is_dspark_drafter",
+    "realized_gate_for",
     "validate_dspark_request",
 ]

@@ -12,6 +12,7 @@ This file is self-contained (torch only): exported drafter folders carry it in `
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ class VerificationPolicy:
 
     name = "base"
     needs_confidences = False
+    uses_realized_gate = False  # True: the candidate generator hands it a shared ``RealizedGate``
 
     @classmethod
     def from_generation_config(cls, generation_config: Any, block_size: int) -> "VerificationPolicy":
@@ -53,6 +55,10 @@ class VerificationPolicy:
 
     def observe(self, verified: int, accepted: int) -> None:
         """Feedback after verification (for adaptive policies); the default ignores it."""
+
+    def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
+        """A whole round's timing: whether it drafted, tokens it emitted, seconds from its start to the next
+        round's (for policies that judge drafting by its realized speed); the default ignores it."""
 
     def should_draft(self, max_drafts: int, draft_seconds: float | None = None) -> bool:
         """Whether to draft this round at all (False: the target decodes one token alone). Called BEFORE drafting,
@@ -305,6 +311,82 @@ class OnlineSurvivalCorrection:
         self.accepted += ((k < accepted.cpu()[:, None]) & verified).sum(dim=0)
 
 
+REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
+
+
+class RealizedGate:
+    """Judges drafting by what it has actually delivered on this machine.
+
+    ``realized[(rows, drafted)]`` holds ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole rounds
+    (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with drafting or without;
+    their rate is total tokens over total seconds, so one slow round (a hiccup of a shared machine) moves it by a
+    thirty-second, not by the 30% a moving average would. Every cost a model of the round leaves out or misprices
+    shows up here. The verdicts read past rounds only, so a gate that only chooses whether to draft is lossless.
+    The batched engine keeps one per engine (``EngineMeasurements``); ``generate()`` keeps one at ``rows = 1``.
+    """
+
+    def __init__(self):
+        self.realized: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
+        # Exploration state (not saved: a loaded file starts a fresh schedule of re-measurements)
+        self.steps_since: dict[tuple[int, bool], int] = {}  # rounds at R since the last (drafting, plain) round
+        self.explore_wait: dict[int, int] = {}  # R -> rounds before drafting is re-measured while it loses
+
+    def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
+        """One whole round at ``rows`` requests: whether it drafted, the tokens it emitted, its seconds."""
+        key = (rows, drafted)
+        self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
+        self.steps_since[key] = 0
+        other = (rows, not drafted)
+        self.steps_since[other] = self.steps_since.get(other, 0) + 1
+
+    def realized_rate(self, rows: int, drafted: bool) -> float | None:
+        """Tokens per second of the recent whole rounds at ``rows`` requests (with drafting or without), or None."""
+        window = self.realized.get((rows, drafted))
+        if not window:
+            return None
+        seconds = sum(s for _, s in window)
+        return sum(e for e, _ in window) / seconds if seconds > 0 else float("inf")
+
+    # -- the realized gate ---------------------------------------------------------------------------------------
+    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
+        """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
+        whole rounds delivered there: free until drafting has been measured twice; while only drafting is measured
+        (or the plain side has not been refreshed for ``explore_interval`` rounds), a plain round every
+        ``explore_interval`` rounds; otherwise the faster side, re-measuring a losing drafting side after a wait that
+        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing.
+
+        A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
+        where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
+        widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
+        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
+        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
+        drafting = self.realized.get((rows, True))
+        if drafting is None or len(drafting) < 2:
+            return not self.drafting_lost_below(rows)  # not measured here: free, unless a smaller size lost
+        plain_rate = self.realized_rate(rows, False)
+        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
+        if plain_rate is None:
+            return fresh_plain
+        wait = self.explore_wait.get(rows, explore_interval)
+        if self.realized_rate(rows, True) >= plain_rate:
+            self.explore_wait[rows] = explore_interval
+            return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
+        if self.steps_since.get((rows, True), 0) < wait:
+            return False
+        self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
+        return True
+
+    def drafting_lost_below(self, rows: int) -> bool:
+        """Whether drafting delivered fewer tokens per second than plain rounds at the largest batch size below
+        ``rows`` where both were measured (drafting at least twice); False when there is none."""
+        measured = [r for (r, drafted), window in self.realized.items()
+                    if drafted and r < rows and len(window) >= 2 and self.realized.get((r, False))]
+        if not measured:
+            return False
+        nearest = max(measured)
+        return self.realized_rate(nearest, True) < self.realized_rate(nearest, False)
+
+
 @register_verification_policy("scheduler")
 class PrefixSchedulerPolicy(VerificationPolicy):
     """Algorithm 1 at R = 1: verify the prefix length l maximising ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` found by
@@ -315,7 +397,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
     needs_sps = True
 
     def __init__(self, sps: StepsPerSecond | None = None, online_correction: bool = True, skip_drafting: bool = True,
-                 probe_interval: int = 4, max_probe_interval: int = 64, confidence_smoothing: float = 0.1):
+                 probe_interval: int = 4, max_probe_interval: int = 64, confidence_smoothing: float = 0.1,
+                 realized_gate: bool = False, explore_interval: int = 16, max_explore_interval: int = 256):
         """``online_correction``: rescale survivals by the acceptance observed so far (``OnlineSurvivalCorrection``).
         ``skip_drafting``: do not draft when the confidences of the drafts so far predict a zero length, or a gain
         that does not pay for the drafter's measured time; probe again after ``probe_interval`` skipped rounds (the
@@ -323,18 +406,35 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         ``confidence_smoothing``: that prediction uses an exponential moving average of the drafts' confidences,
         the newest weighted by this (1: the last draft alone). One draft's confidences are a noisy guess of the
         next round's; on the SmolLM2 rollouts a slow average (0.1) skips less where drafting pays (math) and about
-        as much where it does not (chat)."""
+        as much where it does not (chat).
+        ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain while
+        the drafting rounds have delivered fewer tokens per second than the plain rounds (``RealizedGate`` at one
+        request, fed by the candidate generator through ``record_round``); drafting is re-measured after
+        ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing. The
+        cost model above prices the drafter and the verify forward; the gate also catches what it misprices (the
+        context catch-up, the assisted loop's bookkeeping, confidences that promise more than the drafts deliver on
+        this kind of text). The gate is shared by every ``generate()`` call with the same drafter and target
+        (``set_realized_gate``), so short answers do not each pay to learn it again. It is off by default: on
+        SmolLM2-135M (float32, 1 thread, 3 prompts x 256 tokens per eval set) it delivered 0.96x plain against the
+        ungated scheduler's 1.00x in the same run (``reports/bench-realized-gate-generate.json``): one sequence gives it
+        too few drafting rounds per verdict, and what it blocks includes the rounds that would have won."""
         if probe_interval < 1 or max_probe_interval < probe_interval:
             raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
                              f"{max_probe_interval}")
         if not 0.0 < confidence_smoothing <= 1.0:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
+        if explore_interval < 1 or max_explore_interval < explore_interval:
+            raise ValueError(f"need 1 <= explore_interval <= max_explore_interval, got {explore_interval}, "
+                             f"{max_explore_interval}")
         self.sps = sps
         self._table = None if sps is None else sps.table()
         self.online_correction = online_correction
         self.skip_drafting = skip_drafting
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self.confidence_smoothing = confidence_smoothing
+        self.realized_gate = realized_gate
+        self.explore_interval, self.max_explore_interval = explore_interval, max_explore_interval
+        self.gate: RealizedGate | None = None
         self.correction: OnlineSurvivalCorrection | None = None
         self._round: tuple[torch.Tensor, int] | None = None  # this round's raw confidences and verified length
         self._stale: torch.Tensor | None = None  # moving average of the drafted rounds' raw confidences
@@ -346,10 +446,25 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         return cls(StepsPerSecond.from_dict(profile) if profile else None,
                    online_correction=bool(getattr(generation_config, "online_correction", True)),
                    skip_drafting=bool(getattr(generation_config, "skip_drafting", True)),
-                   confidence_smoothing=float(getattr(generation_config, "confidence_smoothing", None) or 0.1))
+                   confidence_smoothing=float(getattr(generation_config, "confidence_smoothing", None) or 0.1),
+                   realized_gate=bool(getattr(generation_config, "realized_gate", None)),
+                   explore_interval=int(getattr(generation_config, "explore_interval", None) or 16),
+                   max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256))
 
     def set_sps(self, sps: StepsPerSecond) -> None:
         self.sps, self._table = sps, sps.table()
+
+    @property
+    def uses_realized_gate(self) -> bool:
+        return self.skip_drafting and self.realized_gate
+
+    def set_realized_gate(self, gate: RealizedGate) -> None:
+        """The gate this policy records its rounds in and asks before drafting (shared across calls)."""
+        self.gate = gate
+
+    def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
+        if self.uses_realized_gate and self.gate is not None:
+            self.gate.record_step(1, drafted, emitted, seconds)
 
     def _corrected(self, confidences: torch.Tensor) -> torch.Tensor:
         if not self.online_correction:
@@ -386,6 +501,13 @@ class PrefixSchedulerPolicy(VerificationPolicy):
             self.correction.observe(raw.view(1, -1), torch.tensor([length]), torch.tensor([accepted]))
 
     def should_draft(self, max_drafts, draft_seconds=None):
+        if not self._confidences_would_draft(max_drafts, draft_seconds):
+            return False
+        if self.uses_realized_gate and self.gate is not None:
+            return self.gate.drafting_allowed(1, self.explore_interval, self.max_explore_interval)
+        return True
+
+    def _confidences_would_draft(self, max_drafts, draft_seconds):
         if not self.skip_drafting or self._stale is None or self._idle >= self._wait:
             return True  # nothing to predict from yet, or a probe is due
         stale = self._corrected(self._stale)  # with the correction learnt up to now
@@ -420,6 +542,8 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 __all__ = [
     "ConfidenceThresholdPolicy",
     "PrefixSchedulerPolicy",
+    "REALIZED_WINDOW",
+    "RealizedGate",
     "StepsPerSecond",
     "dynamic_topk_capacity",
     "prefix_schedule",
