@@ -150,3 +150,20 @@ def test_tiny_end_to_end_report(tmp_path, tiny_setup):
     with pytest.raises(ValueError, match="other settings"):
         run_eval(target, tokenizer, drafter, out, EvalSettings(data=[str(data)], num_prompts=1, speed_prompts=1),
                  num_shards=1, shard_index=0, progress=False)
+
+
+def test_incomplete_report_names_the_phases_to_rerun(tmp_path):
+    from hf_dspark.evaluation.report import render_markdown
+
+    report = {
+        "environment": {"cpu": "m", "cpu_count": 2, "torch_threads": 2, "platform": "p", "cuda": None, "python": "3",
+                        "torch": "t", "transformers": "x", "hf_dspark": "h", "date": "d", "command": "c"},
+        "models": {"target": "tiny", "block_size": 3, "sequential_head": "markov", "calibrated": False},
+        "settings": {"data": ["d"], "num_prompts": 1, "speed_prompts": 1, "max_new_tokens": 4, "multi_turn": True},
+        "temperatures": {},
+        "missing": ["quality-t0-alpaca", "quality-t1-alpaca"],
+    }
+    md = render_markdown(report, {}, tmp_path)
+    assert "2 units not run yet" in md and "with `--phases quality` to finish them" in md
+    report["missing"].append("speed-t0-alpaca")
+    assert "with `--phases quality speed` to finish them" in render_markdown(report, {}, tmp_path)

@@ -346,8 +346,9 @@ def render_markdown(report: dict, plots: dict[str, Path], base: Path) -> str:
         "accepted); speed = tokens/s ratio to plain `generate()` on the same prompts in the same run.", "",
     ]
     if report.get("missing"):
+        phases = " ".join(p for p in PHASES if any(name.startswith(f"{p}-") for name in report["missing"]))
         lines += [f"**Incomplete**: {len(report['missing'])} units not run yet: {', '.join(report['missing'])}. "
-                  "Re-run the command to finish them.", ""]
+                  f"Re-run the command with `--phases {phases}` to finish them.", ""]
     for t, entry in report["temperatures"].items():
         lines += [f"## Temperature {t}", ""]
         acc = entry.get("acceptance")
