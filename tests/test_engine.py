@@ -492,7 +492,9 @@ def test_realized_gate_decisions():
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next re-measurement waits 6 steps
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
+    assert engine._realized_allows_drafting(4)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
+    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next one waits 6 steps
     for _ in range(5):
         engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
         assert not engine._realized_allows_drafting(4)
@@ -500,7 +502,8 @@ def test_realized_gate_decisions():
     assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
     assert engine.measurements.explore_wait[4] == 12
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)  # window: (5 * 8 + 40) / 0.6 s = 133 tok/s
+    engine.measurements.record_step(4, True, emitted=20, seconds=0.1)  # this re-measurement: 28 / 0.2 s = 140 tok/s
+    assert engine.measurements.realized_rate(4, True) < 100  # the whole window (the old losing steps) would say lose
     assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
     assert engine._realized_allows_drafting(6)  # and a larger batch size not yet measured may try again
     engine.measurements.record_step(4, True, emitted=40, seconds=0.1)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from hf_dspark.scheduling import (
+    REALIZED_WINDOW,
+    REMEASURE_ROUNDS,
     PrefixSchedulerPolicy,
     RealizedGate,
     StepsPerSecond,
@@ -270,7 +272,9 @@ def test_policy_realized_gate_overrides_confident_drafting():
         drafted = policy.should_draft(2)
         pattern.append(int(drafted))
         policy.record_round(drafted, 1, 1.0 if drafted else 0.1)
-    assert pattern == [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1], pattern  # waits 2, then 4, 4 (capped)
+    # waits of 2, then 4 (capped) rounds, each followed by a re-measurement of REMEASURE_ROUNDS drafting rounds
+    assert REMEASURE_ROUNDS == 2
+    assert pattern == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0], pattern
     assert gate.realized_rate(1, True) == pytest.approx(1.0) and gate.realized_rate(1, False) == pytest.approx(10.0)
     for _ in range(40):  # drafting rounds now deliver 30 tokens/s
         gate.record_step(1, True, 3, 0.1)
@@ -287,6 +291,40 @@ def test_policy_realized_gate_overrides_confident_drafting():
     assert len(ungated.gate.realized[(1, True)]) == 3
     with pytest.raises(ValueError, match="explore_interval"):
         PrefixSchedulerPolicy(flat, explore_interval=8, max_explore_interval=4)
+
+
+def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
+    """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
+    rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still
+    reads slower than plain. The fresh rounds keep counting until they fill the window."""
+    gate = RealizedGate()
+    for _ in range(REALIZED_WINDOW):
+        gate.record_step(1, True, 1, 1.0)  # the hard stretch: 1 token/s
+    gate.record_step(1, False, 1, 0.1)  # plain: 10 tokens/s
+    assert not gate.drafting_allowed(1, 2, 8)  # drafting lost, last ran 1 round ago
+    gate.record_step(1, False, 1, 0.1)
+    assert gate.drafting_allowed(1, 2, 8) and gate.fresh_rounds[1] == 0  # re-measure now
+    for k in range(REMEASURE_ROUNDS):
+        assert gate.drafting_allowed(1, 2, 8)  # the re-measurement runs its rounds whatever they show
+        gate.record_step(1, True, 3, 0.1)  # easy text now: 30 tokens/s
+    assert gate.realized_rate(1, True) < gate.realized_rate(1, False)  # the old window would still say "lose"
+    assert gate.realized_rate(1, True, last=REMEASURE_ROUNDS) == pytest.approx(30.0)
+    assert not gate.drafting_allowed(1, 2, 8)  # drafting wins; the plain side is stale (2 rounds): refresh it
+    gate.record_step(1, False, 1, 0.1)
+    assert gate.drafting_allowed(1, 2, 8) and gate.explore_wait[1] == 2  # wins: waits reset
+    for _ in range(REALIZED_WINDOW):
+        gate.record_step(1, True, 3, 0.1)
+    assert 1 not in gate.fresh_rounds  # the window is all fresh rounds now
+    # a re-measurement that loses again waits twice as long
+    slow = RealizedGate()
+    for _ in range(4):
+        slow.record_step(1, True, 1, 1.0)
+    slow.record_step(1, False, 1, 0.1)
+    slow.record_step(1, False, 1, 0.1)
+    assert slow.drafting_allowed(1, 2, 8)
+    for _ in range(REMEASURE_ROUNDS):
+        slow.record_step(1, True, 1, 1.0)
+    assert not slow.drafting_allowed(1, 2, 8) and slow.explore_wait[1] == 4
 
 
 def test_policy_realized_gate_settings_from_generation_config():

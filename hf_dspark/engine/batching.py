@@ -587,7 +587,8 @@ class DSparkEngine:
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
-            time drafting is still the slower; back to ``explore_interval`` once it wins); when drafting has only
+            time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
+            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost; when drafting has only
             ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. A
             batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
             rising past sizes where drafting lost does not draft at every new size to find out). This catches every

@@ -312,6 +312,7 @@ class OnlineSurvivalCorrection:
 
 
 REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
+REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
 
 
 class RealizedGate:
@@ -330,18 +331,27 @@ class RealizedGate:
         # Exploration state (not saved: a loaded file starts a fresh schedule of re-measurements)
         self.steps_since: dict[tuple[int, bool], int] = {}  # rounds at R since the last (drafting, plain) round
         self.explore_wait: dict[int, int] = {}  # R -> rounds before drafting is re-measured while it loses
+        # R -> drafting rounds since its last re-measurement began (absent: the whole window counts)
+        self.fresh_rounds: dict[int, int] = {}
 
     def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
         """One whole round at ``rows`` requests: whether it drafted, the tokens it emitted, its seconds."""
         key = (rows, drafted)
         self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
         self.steps_since[key] = 0
+        if drafted and rows in self.fresh_rounds:
+            self.fresh_rounds[rows] += 1
+            if self.fresh_rounds[rows] >= REALIZED_WINDOW:  # the window holds fresh rounds only
+                del self.fresh_rounds[rows]
         other = (rows, not drafted)
         self.steps_since[other] = self.steps_since.get(other, 0) + 1
 
-    def realized_rate(self, rows: int, drafted: bool) -> float | None:
-        """Tokens per second of the recent whole rounds at ``rows`` requests (with drafting or without), or None."""
+    def realized_rate(self, rows: int, drafted: bool, last: int | None = None) -> float | None:
+        """Tokens per second of the recent whole rounds at ``rows`` requests (with drafting or without; only the
+        ``last`` ones when given), or None."""
         window = self.realized.get((rows, drafted))
+        if last is not None and window:
+            window = list(window)[-last:] if last > 0 else []
         if not window:
             return None
         seconds = sum(s for _, s in window)
@@ -353,7 +363,9 @@ class RealizedGate:
         whole rounds delivered there: free until drafting has been measured twice; while only drafting is measured
         (or the plain side has not been refreshed for ``explore_interval`` rounds), a plain round every
         ``explore_interval`` rounds; otherwise the faster side, re-measuring a losing drafting side after a wait that
-        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing.
+        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing. A
+        re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since
+        it began, up to the window), not on the window of the stretch that made drafting lose.
 
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
         where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
@@ -363,17 +375,24 @@ class RealizedGate:
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
             return not self.drafting_lost_below(rows)  # not measured here: free, unless a smaller size lost
+        fresh = self.fresh_rounds.get(rows)
+        if fresh is not None and fresh < REMEASURE_ROUNDS:
+            return True  # a re-measurement under way: its verdict comes from its own rounds
         plain_rate = self.realized_rate(rows, False)
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if plain_rate is None:
             return fresh_plain
         wait = self.explore_wait.get(rows, explore_interval)
-        if self.realized_rate(rows, True) >= plain_rate:
+        if self.drafting_rate(rows) >= plain_rate:
             self.explore_wait[rows] = explore_interval
             return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
         if self.steps_since.get((rows, True), 0) < wait:
             return False
-        self.explore_wait[rows] = min(2 * wait, max_explore_interval)  # re-measure drafting now
+        # Re-measure drafting now, judged on REMEASURE_ROUNDS new rounds alone: the rounds from before the wait
+        # came from other text (a hard stretch that made drafting lose), and one new round added to them could
+        # hardly change the verdict, so a passing bad stretch would keep drafting off for ever longer waits.
+        self.explore_wait[rows] = min(2 * wait, max_explore_interval)
+        self.fresh_rounds[rows] = 0
         return True
 
     def drafting_lost_below(self, rows: int) -> bool:
@@ -384,7 +403,13 @@ class RealizedGate:
         if not measured:
             return False
         nearest = max(measured)
-        return self.realized_rate(nearest, True) < self.realized_rate(nearest, False)
+        return self.drafting_rate(nearest) < self.realized_rate(nearest, False)
+
+    def drafting_rate(self, rows: int) -> float | None:
+        """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
+        once it has run its ``REMEASURE_ROUNDS``, else the whole window (the verdict before it)."""
+        fresh = self.fresh_rounds.get(rows)
+        return self.realized_rate(rows, True, last=fresh if fresh is not None and fresh >= REMEASURE_ROUNDS else None)
 
 
 @register_verification_policy("scheduler")
@@ -543,6 +568,7 @@ __all__ = [
     "ConfidenceThresholdPolicy",
     "PrefixSchedulerPolicy",
     "REALIZED_WINDOW",
+    "REMEASURE_ROUNDS",
     "RealizedGate",
     "StepsPerSecond",
     "dynamic_topk_capacity",
