@@ -483,7 +483,9 @@ def test_realized_gate_decisions():
     assert not engine._realized_allows_drafting(4)  # 3 steps without a plain one: measure plain now
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
     assert not engine._realized_allows_drafting(4)
-    assert engine._realized_allows_drafting(2)  # a smaller batch size is judged on its own
+    assert engine._realized_allows_drafting(1)  # a much smaller batch size is judged on its own
+    assert not engine._realized_allows_drafting(2)  # one within half of 4 (a draining batch) takes 4's verdict
+    assert not engine._realized_allows_drafting(3)
     assert not engine._realized_allows_drafting(8)  # a larger one not measured yet: drafting lost at 4, so not here
     engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
     engine.measurements.record_step(8, True, emitted=24, seconds=0.1)

@@ -370,11 +370,13 @@ class RealizedGate:
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
         where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
         widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
-        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
+        drafting step at every new batch size to learn what the smaller ones already showed. It also takes a loss
+        measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
+        does not re-learn it at every size. Those smaller batch
         sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
-            return not self.drafting_lost_below(rows)  # not measured here: free, unless a smaller size lost
+            return not self.drafting_lost_nearby(rows)  # not measured here: free, unless a size it follows lost
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True  # a re-measurement under way: its verdict comes from its own rounds
@@ -395,15 +397,18 @@ class RealizedGate:
         self.fresh_rounds[rows] = 0
         return True
 
-    def drafting_lost_below(self, rows: int) -> bool:
+    def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered fewer tokens per second than plain rounds at the largest batch size below
-        ``rows`` where both were measured (drafting at least twice); False when there is none."""
+        ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were measured (drafting at
+        least twice). Below: the budget shrinks as load grows. Above, within a factor of two: a batch draining
+        from a size where drafting lost (requests finishing one by one) would otherwise pay two drafting rounds at
+        every size on the way down to learn the same thing."""
         measured = [r for (r, drafted), window in self.realized.items()
-                    if drafted and r < rows and len(window) >= 2 and self.realized.get((r, False))]
-        if not measured:
-            return False
-        nearest = max(measured)
-        return self.drafting_rate(nearest) < self.realized_rate(nearest, False)
+                    if drafted and r != rows and r <= 2 * rows and len(window) >= 2 and self.realized.get((r, False))]
+        below = [r for r in measured if r < rows]
+        above = [r for r in measured if r > rows]
+        return any(self.drafting_rate(r) < self.realized_rate(r, False)
+                   for r in ([max(below)] if below else []) + ([min(above)] if above else []))
 
     def drafting_rate(self, rows: int) -> float | None:
         """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
