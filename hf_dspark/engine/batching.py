@@ -591,7 +591,8 @@ class DSparkEngine:
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost; when drafting has only
             ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. A
             batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
-            rising past sizes where drafting lost does not draft at every new size to find out). This catches every
+            rising past sizes where drafting lost does not draft at every new size to find out), and a loss at the
+            nearest larger one up to twice its size (nor does a draining batch on its way down). This catches every
             cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so
             it is lossless.
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
