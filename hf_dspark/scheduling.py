@@ -370,10 +370,10 @@ class RealizedGate:
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
         where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
         widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
-        drafting step at every new batch size to learn what the smaller ones already showed. It also takes a loss
-        measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
-        does not re-learn it at every size. Those smaller batch
-        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again."""
+        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
+        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again. It also takes a
+        loss measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
+        does not re-learn it at every size."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
             return not self.drafting_lost_nearby(rows)  # not measured here: free, unless a size it follows lost

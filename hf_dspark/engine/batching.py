@@ -588,8 +588,9 @@ class DSparkEngine:
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
-            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost; when drafting has only
-            ever been measured at R, one plain step every ``explore_interval`` steps measures the other side. A
+            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. When
+            drafting has only ever been measured at R, one plain step every ``explore_interval`` steps measures the
+            other side. A
             batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
             rising past sizes where drafting lost does not draft at every new size to find out), and a loss at the
             nearest larger one up to twice its size (nor does a draining batch on its way down). This catches every
