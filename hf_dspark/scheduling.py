@@ -437,8 +437,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         the newest weighted by this (1: the last draft alone). One draft's confidences are a noisy guess of the
         next round's; on the SmolLM2 rollouts a slow average (0.1) skips less where drafting pays (math) and about
         as much where it does not (chat).
-        ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain while
-        the drafting rounds have delivered fewer tokens per second than the plain rounds (``RealizedGate`` at one
+        ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain
+        while the drafting rounds have delivered fewer tokens per second than the plain rounds (``RealizedGate`` at one
         request, fed by the candidate generator through ``record_round``); drafting is re-measured after
         ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing. The
         cost model above prices the drafter and the verify forward; the gate also catches what it misprices (the
