@@ -5,7 +5,7 @@ steps, their mean time without admission, tokens per step and tokens/s; for the 
 gate's view (tokens/s over its window per side) at R = concurrency. The scheduled runs share one
 ``EngineMeasurements`` (as bench-serve does), so later runs start from what earlier ones measured.
 
-    python scripts/engine_step_breakdown.py --concurrency 4 --repeats 2     # SmolLM2 + embedded drafter, fp32
+    python scripts/engine_step_breakdown.py --concurrency 4 --repeats 2     # SmolLM2 + embedded drafter, fp32 (--dtype bfloat16)
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompts", default="../shared/data/eval")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_default(dtype=torch.float32)
+    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
     prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
     measurements = EngineMeasurements()
     for repeat in range(args.repeats):

@@ -713,6 +713,27 @@ def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypat
     assert list(again.curves) == [3] and again.curves[3].to_dict() == sps.curves[3].to_dict()
 
 
+def test_first_profile_is_not_timed_as_a_step(tiny_targets, monkeypatch):
+    """An engine without a given SPS profiles the target on its first scheduled step; that one-off measurement must
+    not count as the step's time, or the realized gate would see drafting deliver next to nothing and keep it off."""
+    import time
+
+    import hf_dspark.profiling as profiling
+
+    target = tiny_targets["llama"]
+
+    def slow_profile(*args, **kwargs):
+        time.sleep(1.0)
+        return DECREASING_SPS
+
+    monkeypatch.setattr(profiling, "load_or_profile_batched", slow_profile)
+    engine = DSparkEngine(target, make_drafter(target), method="scheduled")
+    engine.add_request(random_prompts(1, 6, target.config.vocab_size)[0], SamplingParams(max_new_tokens=4))
+    engine.run()
+    steps = [step for window in engine.measurements.realized.values() for step in window]
+    assert steps and max(seconds for _, seconds in steps) < 0.5
+
+
 def test_monotone_decreasing_fit():
     from hf_dspark.profiling import monotone_decreasing
 

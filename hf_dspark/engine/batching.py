@@ -49,6 +49,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from ..attention import packed_attention
 from ..generation import DSparkStats, is_dspark_drafter
 from ..modeling_dspark import DSparkContextCache
 from ..scheduling import OnlineSurvivalCorrection, StepsPerSecond, dynamic_topk_capacity
@@ -769,6 +770,8 @@ class DSparkEngine:
         rows = self._rows
         caps = [min(self.block_size, r.remaining - 1) for r in rows]
 
+        if self.method == "scheduled":
+            self._profiled_table(len(rows))  # a first profile (cached afterwards) is not part of any step's time
         t0 = time.perf_counter()
         capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
         drafting = self._drafting_rows(caps, capacity)
@@ -912,8 +915,9 @@ class DSparkEngine:
         last = torch.tensor(lengths, device=self.device)[:, None] - 1
         cache = DynamicCache(config=self.target.config)
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
-        out = self.target(input_ids=ids, attention_mask=valid, position_ids=positions, cache=cache, use_cache=True,
-                          logits_to_keep=last, **extra)
+        with packed_attention(self.target):
+            out = self.target(input_ids=ids, attention_mask=valid, position_ids=positions, cache=cache,
+                              use_cache=True, logits_to_keep=last, **extra)
         logits = out.logits[:, -1].float()  # [J, V] at each prompt's last position
         first = torch.empty(len(requests), dtype=torch.long, device=self.device)
         for members in _groups([r.params for r in requests]).values():
@@ -1163,8 +1167,9 @@ class DSparkEngine:
         block = torch.where(block_valid, block, anchors[:, None])  # padding: any real id, masked out
         positions = torch.tensor([r.length for r in rows], device=device)[:, None] + torch.arange(width, device=device)
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
-        out = self.target(input_ids=block, attention_mask=cache.attention_mask(block_valid), position_ids=positions,
-                          cache=cache.target_cache, use_cache=True, **extra)
+        with packed_attention(self.target):  # no per-head copy of the cache for a wide block
+            out = self.target(input_ids=block, attention_mask=cache.attention_mask(block_valid),
+                              position_ids=positions, cache=cache.target_cache, use_cache=True, **extra)
         logits = out.logits.float()  # [R, Q, V]
 
         accepted = torch.zeros(num_rows, dtype=torch.long, device=device)
