@@ -19,6 +19,9 @@ that every later attention mask hides. Valid columns of a row hold its positions
 contains exactly the verified sequence; ``compact`` squeezes the holes out now and then. The drafter's context
 (``DeferredDrafterContext``) is built lazily: the verified positions' target features wait, and are projected into
 the drafter's context K/V only when the request drafts, so requests that skip drafting cost the drafter nothing.
+The target's forwards run with ``hf_dspark.attention.packed_attention``: a grouped-query target's query heads are
+folded into the query length instead of transformers copying the whole KV cache once per query head for every
+masked multi-token step, which made a wide verification step at a large batch cost up to twice a plain one.
 
 transformers' own continuous batching (``generation/continuous_batching``) was studied first: its paged cache and
 varlen inputs do carry ragged query lengths, but the manager samples one token per request per step from the last

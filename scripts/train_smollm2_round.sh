@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# A training round of the embedded SmolLM2-135M-Instruct drafters: continue both shipped drafters (DSpark and the
+# DFlash ablation, same steps and data) on the regenerated data in DATA, with held-out evaluation on
+# data/regen-smollm2-heldout (eval_log.jsonl: stop when tau stops rising). Outputs go to runs/smollm2-*-$ROUND. Every
+# step is resumable: re-run the script (same ROUND) after an interruption.
+#   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns; the shipped drafters).
+#   ROUND=v4: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md).
+# MP=bf16 trains under bfloat16 autocast (accelerate mixed precision).
+#
+# A data folder may still be growing while its regeneration runs (commands in data/README.md); training pins the
+# shards finished when it starts. Afterwards (scripts/finish_smollm2_round.sh, same ROUND), as for the shipped
+# drafter: fine-tune the DSpark confidence head alone on the held-out data (reports/confidence-heldout-v5/README.md),
+# recalibrate, evaluate, package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${HF:-}" ]; then
+    ./scripts/setup_env.sh
+    HF=.venv/bin/hf-dspark
+fi
+export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1
+WORKERS=${WORKERS:-2}
+ROUND=${ROUND:-v3}
+case "$ROUND" in
+    v3) DEFAULT_DATA="data/regen-smollm2 data/regen-smollm2-b" ;;
+    *) DEFAULT_DATA="data/regen-smollm2 data/regen-smollm2-b data/regen-smollm2-c" ;;
+esac
+read -r -a DATA <<< "${DATA:-$DEFAULT_DATA}"
+FEATURES=${FEATURES:-data_cache/features-smollm2}
+STEPS=${STEPS:-1500}   # STEPS=600 EVAL_EVERY=200 fit one session: ~20 min of features on a fresh machine, 62 min of training (measured)
+COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size 4 --num-anchors 64
+        --max-steps "$STEPS" --lr 5e-4 --save-every 50 --threads 1 --mixed-precision "${MP:-no}"
+        --eval-data data/regen-smollm2-heldout --eval-every "${EVAL_EVERY:-250}" --eval-sequences 64)
+
+# 1. target features of every finished shard of both folders (one features folder: files are named by digest)
+for ((w = 0; w < WORKERS; w++)); do
+    $HF features --data "${DATA[@]}" --output "$FEATURES" --threads 1 --num-workers "$WORKERS" --worker-index "$w" &
+done
+wait
+# 2. both drafters continue from the shipped ones, same data / steps / schedule
+$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dspark --output "runs/smollm2-dspark-$ROUND" &
+$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dflash --output "runs/smollm2-dflash-$ROUND" &
+wait
