@@ -1,0 +1,68 @@
+"""The scheduled engine's own overhead: plain engine vs the scheduled engine with drafting priced out, round-robin.
+
+The scheduled engine gets an SPS profile where verifying any draft is prohibitive, so it never drafts (not even a
+probe) and decodes exactly like plain; what remains between the two is the scheduled engine's bookkeeping (the
+target features it keeps for the drafter, the scheduling decisions). SmolLM2-135M + embedded drafter:
+
+    python scripts/engine_overhead.py --concurrency 16 --repeats 3 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from hf_dspark.defaults import load_default  # noqa: E402
+from hf_dspark.engine import DSparkEngine, SamplingParams  # noqa: E402
+from hf_dspark.engine.bench import encode_prompts  # noqa: E402
+from hf_dspark.profiling import BatchedStepsPerSecond  # noqa: E402
+from hf_dspark.prompts import load_prompts  # noqa: E402
+from hf_dspark.scheduling import StepsPerSecond  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", default="../shared/data/eval")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
+    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    sizes = [1 << k for k in range(args.concurrency.bit_length()) if 1 << k <= args.concurrency]
+    never = BatchedStepsPerSecond({r: StepsPerSecond([r, 2 * r, 8 * r], [10.0, 1e-3, 1e-4])
+                                   for r in sorted(set(sizes) | {args.concurrency})})
+    rates: dict[str, list[float]] = {"plain": [], "scheduled, drafting priced out": []}
+    for _ in range(args.repeats):
+        for name in rates:
+            if name == "plain":
+                engine = DSparkEngine(target, None, method="plain", max_concurrency=args.concurrency, seed=0)
+            else:
+                engine = DSparkEngine(target, drafter, method="scheduled", sps=never,
+                                      max_concurrency=args.concurrency, seed=0)
+            for prompt in prompts:
+                engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
+            started = time.perf_counter()
+            for _ in engine.stream():
+                pass
+            wall = time.perf_counter() - started
+            if sum(engine.stats.drafting):
+                raise RuntimeError("the scheduled engine drafted: the prohibitive profile did not hold")
+            rates[name].append(sum(len(o.token_ids) for o in engine.outputs.values()) / wall)
+            print(f"{name:32s} {rates[name][-1]:7.1f} tok/s", flush=True)
+    for name, values in rates.items():
+        print(f"{name:32s} mean {statistics.fmean(values):7.1f}  best {max(values):7.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
