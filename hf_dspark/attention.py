@@ -88,7 +88,8 @@ def _configs(model) -> list:
 def packed_attention(model) -> Iterator[bool]:
     """Run ``model`` with ``packed_gqa_attention`` inside the block when it uses transformers' ``"sdpa"``; any other
     implementation (eager, flash, flex, a custom one) is left alone. Yields whether the switch was made; the
-    previous implementation is restored on exit, also after an exception."""
+    previous implementation is restored on exit, also after an exception. The switch is on the model's config, so
+    another thread running the same model meanwhile runs with it too (the same attention, another kernel grouping)."""
     configs = [c for c in _configs(model) if getattr(c, "_attn_implementation", None) == "sdpa"]
     for config in configs:
         config._attn_implementation = PACKED_ATTENTION
