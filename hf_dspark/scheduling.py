@@ -360,9 +360,9 @@ class RealizedGate:
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
-        whole rounds delivered there: free until drafting has been measured twice; while only drafting is measured
-        (or the plain side has not been refreshed for ``explore_interval`` rounds), a plain round every
-        ``explore_interval`` rounds; otherwise the faster side, re-measuring a losing drafting side after a wait that
+        whole rounds delivered there: free until drafting has been measured twice; then a plain round at once when
+        the plain side was never measured there (and one every ``explore_interval`` rounds while drafting wins, to
+        keep the plain side fresh); otherwise the faster side, re-measuring a losing drafting side after a wait that
         starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing. A
         re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since
         it began, up to the window), not on the window of the stretch that made drafting lose.
@@ -381,9 +381,11 @@ class RealizedGate:
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True  # a re-measurement under way: its verdict comes from its own rounds
         plain_rate = self.realized_rate(rows, False)
-        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if plain_rate is None:
-            return fresh_plain
+            # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
+            # plain decoding, while every drafting round run before the verdict may be a loss.
+            return False
+        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         wait = self.explore_wait.get(rows, explore_interval)
         if self.drafting_rate(rows) >= plain_rate:
             self.explore_wait[rows] = explore_interval

@@ -465,9 +465,9 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
 
 
 def test_realized_gate_decisions():
-    """The realized gate's bookkeeping: drafting is free to go until measured; with drafting measured alone, a plain
-    step every ``explore_interval`` steps; once both are measured, the faster side (tokens over seconds of its last
-    32 steps) wins, a losing drafting side is re-measured after a doubling wait, and while drafting wins the plain
+    """The realized gate's bookkeeping: drafting is free to go until measured twice; then a plain step at once when
+    plain was never measured at that batch size; once both are measured, the faster side (tokens over seconds of its
+    last 32 steps) wins, a losing drafting side is re-measured after a doubling wait, and while drafting wins the plain
     side is still refreshed every ``explore_interval`` steps."""
     target = make_target("llama")
     drafter = make_drafter(target)
@@ -478,9 +478,7 @@ def test_realized_gate_decisions():
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     assert engine._realized_allows_drafting(4)  # one drafting step is not a measurement yet
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    assert engine._realized_allows_drafting(4)  # 2 steps since the last plain one (never): keep drafting
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    assert not engine._realized_allows_drafting(4)  # 3 steps without a plain one: measure plain now
+    assert not engine._realized_allows_drafting(4)  # drafting measured twice, plain never: measure plain now
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
     assert not engine._realized_allows_drafting(4)
     assert engine._realized_allows_drafting(1)  # a much smaller batch size is judged on its own
@@ -489,7 +487,7 @@ def test_realized_gate_decisions():
     assert not engine._realized_allows_drafting(8)  # a larger one not measured yet: drafting lost at 4, so not here
     engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
     engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
-    assert engine._realized_allows_drafting(8)  # measured at 8 itself (240 tok/s, plain not yet): its own verdict
+    assert not engine._realized_allows_drafting(8)  # measured twice at 8 itself, plain never: plain at 8 now
     assert not engine._realized_allows_drafting(16)  # 8 has no plain steps: 4 (drafting lost) decides
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
@@ -504,7 +502,7 @@ def test_realized_gate_decisions():
     assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
     assert engine.measurements.explore_wait[4] == 12
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    engine.measurements.record_step(4, True, emitted=20, seconds=0.1)  # this re-measurement: 28 / 0.2 s = 140 tok/s
+    engine.measurements.record_step(4, True, emitted=18, seconds=0.1)  # this re-measurement: 26 / 0.2 s = 130 tok/s
     assert engine.measurements.realized_rate(4, True) < 100  # the whole window (the old losing steps) would say lose
     assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
     assert engine._realized_allows_drafting(6)  # and a larger batch size not yet measured may try again
@@ -586,6 +584,16 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
     assert drafting[0][0] > 0 and drafting[1] == [0, 0, 0], drafting
     loaded = EngineMeasurements.load(path)
     assert loaded.to_dict() == engine.measurements.to_dict()
+    timed = EngineMeasurements(loaded.key)
+    for _ in range(3):
+        timed.record_verify(4, 2, 0.1)
+    assert EngineMeasurements.from_dict(timed.to_dict()).verify_count == {(4, 2): 3}
+    old_format = timed.to_dict()  # files written before timing counts: [rows, width, seconds], one timing each
+    old_format["verify_cost"] = [entry[:3] for entry in old_format["verify_cost"]]
+    assert set(EngineMeasurements.from_dict(old_format).verify_count.values()) == {1}
+    old_format["verify_cost"][0] = old_format["verify_cost"][0][:2]
+    with pytest.raises(ValueError, match="verify_cost entry"):
+        EngineMeasurements.from_dict(old_format)
     assert loaded.realized_rate(4, True) < loaded.realized_rate(4, False)
     with pytest.raises(ValueError, match="other conditions.*model"):
         DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], method="scheduled", measurements=loaded)
@@ -800,6 +808,13 @@ def test_smollm2_engine_greedy_equality():
         assert [o.token_ids for o in result.outputs] == expected, origin
 
 
+def _set_verify_costs(engine, costs: dict, timings: int) -> None:
+    """Stand in for ``timings`` measured verify steps of each (rows, width) at the given seconds."""
+    engine.measurements.verify_cost = dict(costs)
+    engine.measurements.verify_count = {key: timings for key in costs}
+    engine.measurements.version += 1  # what a new measurement does: the repriced tables are rebuilt
+
+
 def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     """With ``adapt_sps`` the widths the engine has run are priced by their measured verify time: a profile that
     calls wide blocks free stops being believed once wide blocks turn out slow. Outputs stay exact."""
@@ -809,11 +824,11 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=16)) for p in prompts]
     engine.step()  # prefill + a first step, at the profile's word
     rows = engine.num_active
-    engine.measurements.verify_cost = {(r, w): 0.01 if w == 1 else 10.0
-                         for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}
-    engine.measurements.version += 1  # what a new measurement does: the repriced tables are rebuilt
+    _set_verify_costs(engine, {(r, w): 0.01 if w == 1 else 10.0
+                               for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}, 1000)
     table = engine._sps_table(rows)
-    assert float(table[rows]) == pytest.approx(100.0) and float(table[2 * rows]) == pytest.approx(0.1)
+    # timed 1000 times each, the measured prices all but replace the profile's
+    assert float(table[rows]) == pytest.approx(100.0, rel=0.02) and float(table[2 * rows]) == pytest.approx(0.1, rel=0.02)
     before = len(engine.stats.widths)
     engine.run()
     assert all(w == 1 for w in engine.stats.widths[before:])  # every wider block now costs more than it can gain
@@ -822,27 +837,45 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).adapt_sps  # a given SPS is kept
 
 
-def test_unmeasured_widths_priced_from_other_batch_sizes(tiny_targets, trained_drafters):
-    """A width not yet run at this batch size is priced by its measured cost ratio at the nearest batch size that ran
-    it (when that is dearer than the profile), scaled by this batch size's measured width-1 time; measured widths
-    keep their own price, and the table stays non-increasing. Tables are cached until a new measurement."""
+def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets, trained_drafters):
+    """Measured verify times are read as ratios to the profile (here 0.01 s at every width) and combined in log scale:
+    the level of a batch size is its timing-weighted mean ratio (or the nearest measured size's); a width run there is
+    pulled from the level toward its own ratio by its number of timings (``PRICE_PRIOR_TIMINGS`` for the level), so
+    one noisy timing moves a price part of the way; a width not run there costs the level times its excess over the
+    level at the nearest size that ran it. The table stays non-increasing and is cached until a new measurement."""
+    import math
+
+    from hf_dspark.engine.batching import PRICE_PRIOR_TIMINGS
+
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True)
-    profiled = engine._profiled_table(4).clone()
     assert engine._sps_table(4) is engine._profiled_table(4)  # nothing measured: the profile as is
-    engine.measurements.verify_cost = {(2, 1): 0.010, (2, 3): 0.030, (8, 1): 0.040, (8, 2): 0.060, (4, 1): 0.020}
-    engine.measurements.version += 1
+    base = 0.01  # the profile's seconds per step
+
+    def price(table, rows, width):  # seconds per verify step
+        return 1.0 / float(table[rows * width])
+
+    # R = 4: width 1 timed 8 times at 2x the profile, width 3 once at 8x (a hiccup); width 2 never
+    _set_verify_costs(engine, {(4, 1): 2 * base, (4, 3): 8 * base}, 8)
+    engine.measurements.verify_count[(4, 3)] = 1
     table = engine._sps_table(4)
-    assert float(table[4]) == pytest.approx(50.0)  # measured at R = 4
-    # width 3: nearest R with (R, 3) and (R, 1) is 2, ratio 3 -> 0.06 s; width 2: nearest is 8, ratio 1.5 -> 0.03 s
-    assert float(table[12]) == pytest.approx(1 / 0.060) and float(table[8]) == pytest.approx(1 / 0.030)
-    # widths measured nowhere keep the profile, but never cheaper than a narrower width (running minimum)
-    assert float(table[16]) == pytest.approx(min(float(profiled[16]), 1 / 0.060))
-    assert all(float(table[4 * w]) >= float(table[4 * (w + 1)]) for w in range(1, 5))
+    level = (8 * math.log(2) + 1 * math.log(8)) / 9
+    assert price(table, 4, 1) == pytest.approx(base * math.exp((8 * math.log(2) + PRICE_PRIOR_TIMINGS * level)
+                                                               / (8 + PRICE_PRIOR_TIMINGS)))
+    width3 = base * math.exp((math.log(8) + PRICE_PRIOR_TIMINGS * level) / (1 + PRICE_PRIOR_TIMINGS))
+    assert price(table, 4, 3) == pytest.approx(width3) and width3 < 8 * base / 1.5  # one timing: part of the way
+    assert price(table, 4, 2) == pytest.approx(base * math.exp(level))  # not run here: the level
+    for w in range(4, drafter.config.block_size + 2):  # never cheaper than a narrower width
+        assert price(table, 4, w) == pytest.approx(max(width3, base * math.exp(level)))
     assert engine._sps_table(4) is table  # cached
-    engine.measurements.verify_cost[(4, 3)] = 0.025  # a cheaper measured price wins at this R
-    engine.measurements.version += 1
-    assert float(engine._sps_table(4)[12]) == pytest.approx(1 / 0.030)  # 1/0.025 capped by width 2's 1/0.030
+    # a batch size with nothing measured takes the nearest one's level; a width 3x dearer than the level at R = 4
+    # (timed there many times) is 3x dearer at R = 8 too
+    _set_verify_costs(engine, {(4, 1): 2 * base, (4, 2): 6 * base}, 1000)
+    table8 = engine._sps_table(8)
+    level4 = math.log(4.0 * math.sqrt(0.75))  # the mean of log 2 and log 6
+    assert price(table8, 8, 1) == pytest.approx(base * math.exp(level4))
+    assert price(table8, 8, 2) == pytest.approx(6 * base)
+    assert all(float(table8[8 * w]) >= float(table8[8 * (w + 1)]) for w in range(1, 5))
 
 
 def test_online_survival_correction():

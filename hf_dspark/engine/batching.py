@@ -35,6 +35,7 @@ tokens spread evenly over the requests (``hf_dspark.profiling.load_or_profile_ba
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -60,6 +61,9 @@ from .measurements import EngineMeasurements, measurement_key
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
+# Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
+# it (``DSparkEngine._sps_table``): a width timed twice sits halfway between the two.
+PRICE_PRIOR_TIMINGS = 2.0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -592,9 +596,9 @@ class DSparkEngine:
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
-            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. When
-            drafting has only ever been measured at R, one plain step every ``explore_interval`` steps measures the
-            other side. A batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
+            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
+            drafting has been measured twice at R where plain never was, the next step decodes plain to measure that
+            side (a plain step costs nothing next to plain decoding). A batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
             rising past sizes where drafting lost does not draft at every new size to find out), and a loss at the
             nearest larger one up to twice its size (nor does a draining batch on its way down). This catches every
             cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so
@@ -603,8 +607,9 @@ class DSparkEngine:
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
-        adapt_sps: under the scheduler, price the padded widths already run at the current batch size by their
-            measured verify time instead of the profile (default: True when the engine profiles the target itself,
+        adapt_sps: under the scheduler, reprice the profile by the measured verify times: the profile's shape at the
+            engine's measured level, each width run at the current batch size pulled toward its own measured time by
+            how many times it was timed (``_sps_table``) (default: True when the engine profiles the target itself,
             ``sps=None``; an SPS passed in is used as given unless this is True).
         confidence_prior: under the scheduler, a joining request starts from the mean confidences of every draft so
             far (when there are any) instead of drafting at once: it drafts when those predict a budget (and the
@@ -945,53 +950,71 @@ class DSparkEngine:
     def _sps_table(self, num_requests: int) -> torch.Tensor:
         """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests: the profile, repriced by
         what this engine has measured (moving averages of the verify forward), kept non-increasing. The profile is
-        timed on a clean cache at one context length; measured steps price what the budget really buys:
+        timed on a clean cache at one context length; measured steps price what the budget really buys. Each
+        measured verify time is read as a ratio to the profile's price of the same (rows, width), and combined in log
+        scale:
 
-        - a width already run at this R costs its measured time;
-        - a width not yet run at this R, once plain width-1 steps are measured here, costs that time scaled by the
-          width's measured cost ratio (width w over width 1) at the nearest batch size where both were run, when this
-          is dearer than the profile says (so one slow wide step at R = 8 stops the first wide step at R = 16 from
-          being taken at the profile's word).
+        - the level: this R's ratios, averaged with their numbers of timings as weights (or the level of the nearest
+          batch size measured, when nothing was run at this R yet): the profile's shape at the engine's level;
+        - a width run at this R: its own ratio, weighted by its number of timings against ``PRICE_PRIOR_TIMINGS``
+          for the level. A width timed many times costs what it measured; one timed once or twice (a probe, a rare
+          width, possibly in a hiccup of a shared machine) moves its price only part of the way, so one noisy
+          timing does not make every wider width look dear;
+        - a width not yet run at this R: the level, times how much dearer than the level that width was at the
+          nearest batch size that ran it (never cheaper: one slow wide step at R = 8 stops the first wide step at
+          R = 16 from being taken at the profile's word).
 
-        A width is never priced cheaper than a narrower one (running minimum: a measured or transferred price is not
-        averaged away with the profile's optimism). Only past steps are used. Tables are cached until a new
-        measurement arrives."""
+        A width is never priced cheaper than a narrower one (running maximum of the cost). Only past steps are used.
+        Tables are cached until a new measurement arrives."""
         table = self._profiled_table(num_requests)
-        step_cost = self.measurements.verify_cost
-        if not self.adapt_sps or not step_cost:  # without adapt_sps the given SPS is used as is
+        if not self.adapt_sps or not self.measurements.verify_cost:  # without adapt_sps the given SPS is used as is
             return table
         cached = self._priced_tables.get(num_requests)
         if cached is not None and cached[0] == self.measurements.version:
             return cached[1]
-        measured = {w: seconds for (r, w), seconds in step_cost.items() if r == num_requests}
+        ratios = self._log_cost_ratios()
+        level = self._log_level(num_requests, ratios)
         widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
-        values = [1.0 / measured[w] if w in measured else float(table[num_requests * w]) for w in widths]
-        base = measured.get(1)
-        if base is not None:
-            for k, w in enumerate(widths):
-                ratio = self._width_cost_ratio(num_requests, w) if w not in measured else None
-                if ratio is not None:
-                    values[k] = min(values[k], 1.0 / (base * ratio))
-        if any(w in measured for w in widths) or base is not None:
-            table = table.clone()
-            floor = float("inf")
-            for w, value in zip(widths, values):
-                floor = min(floor, value)
-                table[num_requests * w] = floor
-        self._priced_tables[num_requests] = (self.measurements.version, table)
-        return table
+        priced = table.clone()
+        cost = 0.0
+        for w in widths:
+            own = ratios.get(num_requests, {}).get(w)
+            if own is not None:
+                weight = float(self.measurements.timings(num_requests, w))
+                log_ratio = (weight * own + PRICE_PRIOR_TIMINGS * level) / (weight + PRICE_PRIOR_TIMINGS)
+            else:
+                log_ratio = level + self._log_width_excess(num_requests, w, ratios)
+            cost = max(cost, math.exp(log_ratio) / float(table[num_requests * w]))
+            priced[num_requests * w] = 1.0 / cost
+        self._priced_tables[num_requests] = (self.measurements.version, priced)
+        return priced
 
-    def _width_cost_ratio(self, num_requests: int, width: int) -> float | None:
-        """Measured verify time of ``width`` over that of width 1 at the batch size nearest ``num_requests`` (in log
-        scale, ties toward the larger) where both were run, or None."""
-        import math
+    def _log_cost_ratios(self) -> dict[int, dict[int, float]]:
+        """``{R: {width: log(measured verify seconds / profiled seconds)}}`` over every measured (R, width)."""
+        out: dict[int, dict[int, float]] = {}
+        for (rows, width), seconds in self.measurements.verify_cost.items():
+            table = self._profiled_table(rows)
+            if rows * width < table.shape[0] and seconds > 0:
+                out.setdefault(rows, {})[width] = math.log(seconds * float(table[rows * width]))
+        return out
 
-        step_cost = self.measurements.verify_cost
-        sizes = [r for (r, w) in step_cost if w == width and r != num_requests and (r, 1) in step_cost]
+    def _log_level(self, num_requests: int, ratios: dict[int, dict[int, float]]) -> float:
+        """The timing-weighted mean log ratio at ``num_requests``, or at the nearest batch size measured (in log scale,
+        ties toward the larger); 0 (the profile) when nothing is measured."""
+        if not ratios:
+            return 0.0
+        rows = min(ratios, key=lambda r: (abs(math.log(r / num_requests)), -r))
+        weights = {w: float(self.measurements.timings(rows, w)) for w in ratios[rows]}
+        return sum(weights[w] * value for w, value in ratios[rows].items()) / sum(weights.values())
+
+    def _log_width_excess(self, num_requests: int, width: int, ratios: dict[int, dict[int, float]]) -> float:
+        """How much dearer (log ratio, >= 0) than its batch size's level ``width`` measured at the nearest other batch
+        size that ran it (in log scale, ties toward the larger); 0 when none did."""
+        sizes = [r for r in ratios if r != num_requests and width in ratios[r]]
         if not sizes:
-            return None
+            return 0.0
         nearest = min(sizes, key=lambda r: (abs(math.log(r / num_requests)), -r))
-        return max(1.0, step_cost[(nearest, width)] / step_cost[(nearest, 1)])
+        return max(0.0, ratios[nearest][width] - self._log_level(nearest, ratios))
 
     def _profiled_table(self, num_requests: int) -> torch.Tensor:
         table = self._sps_tables.get(num_requests)

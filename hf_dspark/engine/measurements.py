@@ -43,7 +43,8 @@ class EngineMeasurements(RealizedGate):
     """Moving averages of an engine's step timings, shareable across engines and savable as JSON.
 
     - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
-    - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide;
+    - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide, and
+      ``verify_count[(rows, width)]`` how many timings went into it (how far the engine trusts it over the profile);
     - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
@@ -57,6 +58,7 @@ class EngineMeasurements(RealizedGate):
         self.key = key
         self.draft_cost: dict[int, float] = {}
         self.verify_cost: dict[tuple[int, int], float] = {}
+        self.verify_count: dict[tuple[int, int], int] = {}
         self.version = 0
 
     # -- recording -----------------------------------------------------------------------------------------------
@@ -65,7 +67,12 @@ class EngineMeasurements(RealizedGate):
 
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
         self.verify_cost[(rows, width)] = ema(self.verify_cost.get((rows, width)), seconds)
+        self.verify_count[(rows, width)] = self.verify_count.get((rows, width), 0) + 1
         self.version += 1
+
+    def timings(self, rows: int, width: int) -> int:
+        """How many verify timings ``verify_cost[(rows, width)]`` holds (1 for a price set without a count)."""
+        return self.verify_count.get((rows, width), 1) if (rows, width) in self.verify_cost else 0
 
     # -- keys and files ------------------------------------------------------------------------------------------
     def bind(self, key: dict) -> None:
@@ -84,7 +91,8 @@ class EngineMeasurements(RealizedGate):
         return {
             "key": self.key,
             "draft_cost": [[bucket, seconds] for bucket, seconds in sorted(self.draft_cost.items())],
-            "verify_cost": [[rows, width, seconds] for (rows, width), seconds in sorted(self.verify_cost.items())],
+            "verify_cost": [[rows, width, seconds, self.timings(rows, width)]
+                            for (rows, width), seconds in sorted(self.verify_cost.items())],
             "realized": [[rows, drafted, [list(step) for step in window]]
                          for (rows, drafted), window in sorted(self.realized.items())],
         }
@@ -96,7 +104,12 @@ class EngineMeasurements(RealizedGate):
             raise ValueError(f"not an engine measurements file: missing {missing}")
         out = cls(data["key"])
         out.draft_cost = {int(b): float(s) for b, s in data["draft_cost"]}
-        out.verify_cost = {(int(r), int(w)): float(s) for r, w, s in data["verify_cost"]}
+        for entry in data["verify_cost"]:  # [rows, width, seconds(, count)]: files before counts hold one timing each
+            if len(entry) not in (3, 4):
+                raise ValueError(f"not an engine measurements file: verify_cost entry {entry!r}")
+            key = (int(entry[0]), int(entry[1]))
+            out.verify_cost[key] = float(entry[2])
+            out.verify_count[key] = int(entry[3]) if len(entry) == 4 else 1
         out.realized = {(int(r), bool(d)): deque(((float(e), float(s)) for e, s in steps), maxlen=REALIZED_WINDOW)
                         for r, d, steps in data["realized"]}
         out.version = 1 if out.verify_cost else 0
