@@ -891,13 +891,20 @@ def test_online_survival_correction():
     assert factors[:2].tolist() == pytest.approx([1 / 1.6, 1 / 0.8])
     corrected = corr.correct(conf)
     survival = torch.cumprod(corrected, dim=-1)
-    # a1 = .8 / 1.6 = .5; a2 = min(.4 * 1.25, a1) = .5 (non-increasing); position 3 unseen keeps factor ~1 but is
-    # capped by a2; zero stays zero.
-    assert survival[0].tolist() == pytest.approx([0.5, 0.5, 0.2], abs=1e-6)
+    # a1 = .8 / 1.6 = .5; a2 = min(.4 * 1.25, a1) = .5 (non-increasing); position 3, never verified, inherits
+    # position 2's factor: .2 * 1.25; zero stays zero.
+    assert factors[2] == pytest.approx(1 / 0.8)
+    assert survival[0].tolist() == pytest.approx([0.5, 0.5, 0.25], abs=1e-6)
     assert survival[1].tolist() == pytest.approx([0.5, 0.5, 0.0], abs=1e-6)
     assert ((corrected >= 0) & (corrected <= 1)).all()
     # With the default prior, a fresh correction changes nothing.
     assert torch.allclose(OnlineSurvivalCorrection(3).correct(conf), conf)
+    # Pseudo-observations sit at the previous position's factor: a position seen a little moves from there.
+    corr = OnlineSurvivalCorrection(block_size=3, prior=4.0)
+    corr.predicted = torch.tensor([100.0, 1.0, 0.0], dtype=torch.float64)
+    corr.accepted = torch.tensor([200.0, 0.0, 0.0], dtype=torch.float64)
+    f1 = 204 / 104
+    assert corr.factors().tolist() == pytest.approx([f1, 4 * f1 / 5, 4 * f1 / 5])
 
 
 def test_prefill_chunks_bound_padding():

@@ -281,9 +281,13 @@ class OnlineSurvivalCorrection:
     The drafter's (STS-calibrated) prefix survivals a_k are calibrated on the calibration prompts; on other prompts
     they can be systematically high or low, and the scheduler then verifies too much or too little. The engine
     records, for every verified draft position k, the survival it was scheduled with and whether the prefix 1..k
-    was accepted, and scales survivals by ``(accepted_k + m) / (predicted_k + m)`` (``m`` pseudo-observations at
-    ratio 1), keeping them in [0, 1], non-increasing, and zero where they were zero. Only past outcomes are used, so
-    the scheduling decision still does not depend on the drafts being verified.
+    was accepted, and scales survivals by ``f_k = (accepted_k + m f_{k-1}) / (predicted_k + m)``: ``m``
+    pseudo-observations at the previous position's factor (at ratio 1 for the first position), so a deep position
+    the scheduler rarely verifies inherits the bias measured just before it instead of falling back to the drafter's
+    own survival (on SmolLM2 the calibrated survivals grow more pessimistic with depth, factors rising from 1.0 to 1.9
+    over positions 1-7, and a tail priced too low is never verified, so never corrected). Survivals are kept in
+    [0, 1], non-increasing, and zero where they were zero. Only past outcomes are used, so the scheduling decision
+    still does not depend on the drafts being verified.
     """
 
     def __init__(self, block_size: int, prior: float = 16.0):
@@ -292,7 +296,12 @@ class OnlineSurvivalCorrection:
         self.accepted = torch.zeros(block_size, dtype=torch.float64)
 
     def factors(self) -> torch.Tensor:
-        return (self.accepted + self.prior) / (self.predicted + self.prior)
+        out = torch.empty_like(self.predicted)
+        previous = 1.0
+        for k in range(out.shape[0]):
+            previous = (float(self.accepted[k]) + self.prior * previous) / (float(self.predicted[k]) + self.prior)
+            out[k] = previous
+        return out
 
     def correct(self, confidences: torch.Tensor) -> torch.Tensor:
         """Corrected conditional confidences [R, g] (the schedulers take conditionals and form the products)."""
@@ -360,9 +369,9 @@ class RealizedGate:
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
-        whole rounds delivered there: free until drafting has been measured twice; while only drafting is measured
-        (or the plain side has not been refreshed for ``explore_interval`` rounds), a plain round every
-        ``explore_interval`` rounds; otherwise the faster side, re-measuring a losing drafting side after a wait that
+        whole rounds delivered there: free until drafting has been measured twice; then a plain round at once when
+        the plain side was never measured there (and one every ``explore_interval`` rounds while drafting wins, to
+        keep the plain side fresh); otherwise the faster side, re-measuring a losing drafting side after a wait that
         starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing. A
         re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since
         it began, up to the window), not on the window of the stretch that made drafting lose.
@@ -381,9 +390,11 @@ class RealizedGate:
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True  # a re-measurement under way: its verdict comes from its own rounds
         plain_rate = self.realized_rate(rows, False)
-        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if plain_rate is None:
-            return fresh_plain
+            # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
+            # plain decoding, while every drafting round run before the verdict may be a loss.
+            return False
+        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         wait = self.explore_wait.get(rows, explore_interval)
         if self.drafting_rate(rows) >= plain_rate:
             self.explore_wait[rows] = explore_interval
