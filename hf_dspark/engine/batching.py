@@ -949,7 +949,7 @@ class DSparkEngine:
     # --------------------------------------------------------------------------------------------------------------
     def _sps_table(self, num_requests: int) -> torch.Tensor:
         """SPS over the batch's total verification tokens B = 0..R * (g + 1), for R requests: the profile, repriced by
-        what this engine has measured (moving averages of the verify forward), kept non-increasing. The profile is
+        what this engine has measured (medians of recent verify forwards), kept non-increasing. The profile is
         timed on a clean cache at one context length; measured steps price what the budget really buys. Each
         measured verify time is read as a ratio to the profile's price of the same (rows, width), and combined in log
         scale:

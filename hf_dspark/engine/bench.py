@@ -108,6 +108,19 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     return summary, [o.token_ids for o in outputs]
 
 
+def against_baseline(runs: list[float], baseline_runs: list[float]) -> dict:
+    """A method's tokens/s runs against the baseline's from the same round-robin repeats: ratio of the fastest runs,
+    of the means, and per repeat (run k of each ran back to back, so a drift of a shared machine hits both alike),
+    with the geometric mean of those paired ratios. One lucky run moves the first; the last two average it out."""
+    if len(runs) != len(baseline_runs) or not runs:
+        raise ValueError(f"need the same number of runs on both sides, got {len(runs)} and {len(baseline_runs)}")
+    paired = [a / b for a, b in zip(runs, baseline_runs)]
+    return {"best": max(runs) / max(baseline_runs),
+            "mean": statistics.fmean(runs) / statistics.fmean(baseline_runs),
+            "paired": paired,
+            "paired_geomean": statistics.geometric_mean(paired)}
+
+
 def _sync(model) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -121,8 +134,10 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
     ``repeats`` > 1 runs the methods of each concurrency round-robin that many times and keeps each method's fastest
-    run (every run's tokens/s is listed under ``runs_tokens_per_s``): on a shared machine the least disturbed run is
-    the best estimate, and round-robin exposes every method to the same drift.
+    run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
+    shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
+    drift. With ``plain`` among the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
+    the fastest runs, of the means, and of each repeat's back-to-back runs.
 
     ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
     (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
@@ -174,11 +189,20 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         for name, spec in specs.items():
             summary, tokens = max(runs[name], key=lambda run: run[0]["tokens_per_s"])
             summary["runs_tokens_per_s"] = [run[0]["tokens_per_s"] for run in runs[name]]
+            summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
             if greedy and spec["method"] == "plain":
                 reference = tokens
             results[name][str(concurrency)] = summary
             results[name][str(concurrency)]["_tokens"] = tokens
+        baseline = next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
         for name in methods:
+            if baseline is not None and name != baseline:
+                ratios = against_baseline(results[name][str(concurrency)]["runs_tokens_per_s"],
+                                          results[baseline][str(concurrency)]["runs_tokens_per_s"])
+                results[name][str(concurrency)]["vs_plain"] = ratios
+                log(f"c={concurrency:<4d} {name:20s} vs {baseline}: best {ratios['best']:.3f}x, mean "
+                    f"{ratios['mean']:.3f}x, paired {ratios['paired_geomean']:.3f}x "
+                    f"({min(ratios['paired']):.3f}-{max(ratios['paired']):.3f})")
             tokens = results[name][str(concurrency)].pop("_tokens")
             if reference is not None:
                 same = sum(a == b for a, b in zip(tokens, reference))
@@ -217,4 +241,4 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["bench_serve", "encode_prompts", "parse_method", "plot_bench", "run_once"]
+__all__ = ["against_baseline", "bench_serve", "encode_prompts", "parse_method", "plot_bench", "run_once"]

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections import deque
 from pathlib import Path
 
 from ..scheduling import REALIZED_WINDOW, RealizedGate
 
-EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter and verify moving averages
+EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
+VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
 
 
 def ema(previous: float | None, value: float) -> float:
@@ -40,11 +42,14 @@ def measurement_key(target, drafter) -> dict:
 
 
 class EngineMeasurements(RealizedGate):
-    """Moving averages of an engine's step timings, shareable across engines and savable as JSON.
+    """An engine's recent step timings, shareable across engines and savable as JSON.
 
     - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
-    - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide, and
-      ``verify_count[(rows, width)]`` how many timings went into it (how far the engine trusts it over the profile);
+    - ``verify_cost[(rows, width)]``: seconds of one verify forward of ``rows`` requests ``width`` tokens wide: the
+      median of its last ``VERIFY_WINDOW`` timings (a hiccup of a shared machine does not move it, where a moving
+      average of a rarely run width is mostly its last few timings), and ``verify_count[(rows, width)]`` how many
+      timings it has seen (``timings``: how many stand behind the price, which decides how far the engine trusts it
+      over the profile);
     - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
@@ -59,6 +64,7 @@ class EngineMeasurements(RealizedGate):
         self.draft_cost: dict[int, float] = {}
         self.verify_cost: dict[tuple[int, int], float] = {}
         self.verify_count: dict[tuple[int, int], int] = {}
+        self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.version = 0
 
     # -- recording -----------------------------------------------------------------------------------------------
@@ -66,13 +72,19 @@ class EngineMeasurements(RealizedGate):
         self.draft_cost[bucket] = ema(self.draft_cost.get(bucket), seconds)
 
     def record_verify(self, rows: int, width: int, seconds: float) -> None:
-        self.verify_cost[(rows, width)] = ema(self.verify_cost.get((rows, width)), seconds)
-        self.verify_count[(rows, width)] = self.verify_count.get((rows, width), 0) + 1
+        key = (rows, width)
+        window = self._verify_window.setdefault(key, deque(maxlen=VERIFY_WINDOW))
+        window.append(float(seconds))
+        self.verify_cost[key] = statistics.median(window)
+        self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
 
     def timings(self, rows: int, width: int) -> int:
-        """How many verify timings ``verify_cost[(rows, width)]`` holds (1 for a price set without a count)."""
-        return self.verify_count.get((rows, width), 1) if (rows, width) in self.verify_cost else 0
+        """How many verify timings stand behind ``verify_cost[(rows, width)]``: those seen, up to the median's
+        ``VERIFY_WINDOW`` (1 for a price set without a count; 0 when there is none)."""
+        if (rows, width) not in self.verify_cost:
+            return 0
+        return min(self.verify_count.get((rows, width), 1), VERIFY_WINDOW)
 
     # -- keys and files ------------------------------------------------------------------------------------------
     def bind(self, key: dict) -> None:
@@ -110,6 +122,9 @@ class EngineMeasurements(RealizedGate):
             key = (int(entry[0]), int(entry[1]))
             out.verify_cost[key] = float(entry[2])
             out.verify_count[key] = int(entry[3]) if len(entry) == 4 else 1
+            # the median's window is not saved: it restarts from the saved price, held by as many timings as stood
+            # behind it
+            out._verify_window[key] = deque([out.verify_cost[key]] * out.timings(*key), maxlen=VERIFY_WINDOW)
         out.realized = {(int(r), bool(d)): deque(((float(e), float(s)) for e, s in steps), maxlen=REALIZED_WINDOW)
                         for r, d, steps in data["realized"]}
         out.version = 1 if out.verify_cost else 0
@@ -128,4 +143,4 @@ class EngineMeasurements(RealizedGate):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "REALIZED_WINDOW", "EngineMeasurements", "ema", "measurement_key"]
+__all__ = ["EMA_WEIGHT", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements", "ema", "measurement_key"]
