@@ -133,7 +133,8 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                 share_measurements: bool = True, log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
-    ``repeats`` > 1 runs the methods of each concurrency round-robin that many times and keeps each method's fastest
+    ``repeats`` > 1 runs the methods of each concurrency round-robin that many times (each repeat starting one method
+    later) and keeps each method's fastest
     run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
     shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
     drift. With ``plain`` among the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
@@ -178,8 +179,12 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     for concurrency in concurrencies:
         reference = None
         runs: dict[str, list] = {name: [] for name in specs}
-        for _ in range(repeats):
-            for name, spec in specs.items():
+        names = list(specs)
+        for repeat in range(repeats):
+            # Each repeat starts one method later, so no method always runs right after the same other one (a run
+            # after fixed-length verification's wide steps may find the memory allocator or caches in another state).
+            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                spec = specs[name]
                 summary, tokens = run_once(target, drafter, prompts, params, concurrency, spec, sps, seed,
                                            measured.get(name))
                 runs[name].append((summary, tokens))
