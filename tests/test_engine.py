@@ -912,6 +912,9 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     assert price(table8, 8, 1) == pytest.approx(base * math.exp(level4))
     assert price(table8, 8, 2) == pytest.approx(6 * base)
     assert all(float(table8[8 * w]) >= float(table8[8 * (w + 1)]) for w in range(1, 5))
+    # timings shared from a batch size this engine's profile does not cover (4096 tokens) are left out
+    _set_verify_costs(engine, {(4, 1): 2 * base, (5000, 1): 1.0}, 16)
+    assert price(engine._sps_table(4), 4, 1) == pytest.approx(2 * base)
 
 
 def test_online_survival_correction():

@@ -293,6 +293,21 @@ def test_policy_realized_gate_overrides_confident_drafting():
         PrefixSchedulerPolicy(flat, explore_interval=8, max_explore_interval=4)
 
 
+def test_realized_gate_needs_a_margin_to_draft():
+    """Drafting that delivers about as much as plain (within ``DRAFTING_MARGIN``) loses the verdict: its wins are
+    judged on few rounds, and a wrong "draft" costs more than a wrong "plain"."""
+    from hf_dspark.scheduling import DRAFTING_MARGIN
+
+    assert DRAFTING_MARGIN > 1
+    for ratio, allowed in ((1.0, False), (DRAFTING_MARGIN * 0.99, False), (DRAFTING_MARGIN * 1.01, True)):
+        gate = RealizedGate()
+        for _ in range(4):
+            gate.record_step(1, True, 10 * ratio, 1.0)
+        gate.record_step(1, False, 10, 1.0)
+        assert gate.drafting_allowed(1, 2, 8) is allowed, ratio
+        assert gate.drafting_lost_nearby(2) is not allowed  # a nearby size takes the same verdict
+
+
 def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
     rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still

@@ -591,17 +591,18 @@ class DSparkEngine:
             predict would not pay for the drafter's forward (measured as the engine runs): the expected
             ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``.
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
-            per batch size R, moving averages of tokens emitted per second over whole steps (drafter, context
+            per batch size R, tokens emitted per second over recent whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
             did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
             drafting has been measured twice at R where plain never was, the next step decodes plain to measure that
-            side (a plain step costs nothing next to plain decoding). A batch size not yet measured takes the verdict of the nearest smaller one measured on both sides (a load
-            rising past sizes where drafting lost does not draft at every new size to find out), and a loss at the
-            nearest larger one up to twice its size (nor does a draining batch on its way down). This catches every
-            cost the model in ``cost_aware`` leaves out or misprices. The decision uses past steps' timings only, so
+            side (a plain step costs nothing next to plain decoding). A batch size not yet measured takes the verdict
+            of the nearest smaller one measured on both sides (a load rising past sizes where drafting lost does not
+            draft at every new size to find out), and a loss at the nearest larger one up to twice its size (nor does
+            a draining batch on its way down). This catches every cost the model in ``cost_aware`` leaves out or
+            misprices. The decision uses past steps' timings only, so
             it is lossless.
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
@@ -993,7 +994,10 @@ class DSparkEngine:
         """``{R: {width: log(measured verify seconds / profiled seconds)}}`` over every measured (R, width)."""
         out: dict[int, dict[int, float]] = {}
         for (rows, width), seconds in self.measurements.verify_cost.items():
-            table = self._profiled_table(rows)
+            try:
+                table = self._profiled_table(rows)
+            except ValueError:  # shared measurements from a batch size this engine's profile does not cover
+                continue
             if rows * width < table.shape[0] and seconds > 0:
                 out.setdefault(rows, {})[width] = math.log(seconds * float(table[rows * width]))
         return out

@@ -322,6 +322,11 @@ class OnlineSurvivalCorrection:
 
 REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
 REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
+# Drafting wins a verdict only when it delivers this much more than plain rounds. A re-measurement is judged on a
+# few rounds, and drafting that truly loses by 10% (SmolLM2 at 16 requests) still "wins" some of them by chance; a
+# wrong "draft" also costs what the rounds do not show (drafting desynchronises a batch's requests, so more of them
+# join one by one, each join a prefill and a cache copy), while a wrong "plain" only forgoes a small gain.
+DRAFTING_MARGIN = 1.03
 
 
 class RealizedGate:
@@ -382,7 +387,7 @@ class RealizedGate:
         drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
         sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again. It also takes a
         loss measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
-        does not re-learn it at every size."""
+        does not re-learn it at every size. Drafting wins a verdict only by ``DRAFTING_MARGIN``."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
             return not self.drafting_lost_nearby(rows)  # not measured here: free, unless a size it follows lost
@@ -396,7 +401,7 @@ class RealizedGate:
             return False
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         wait = self.explore_wait.get(rows, explore_interval)
-        if self.drafting_rate(rows) >= plain_rate:
+        if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             self.explore_wait[rows] = explore_interval
             return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
         if self.steps_since.get((rows, True), 0) < wait:
@@ -418,7 +423,7 @@ class RealizedGate:
                     if drafted and r != rows and r <= 2 * rows and len(window) >= 2 and self.realized.get((r, False))]
         below = [r for r in measured if r < rows]
         above = [r for r in measured if r > rows]
-        return any(self.drafting_rate(r) < self.realized_rate(r, False)
+        return any(self.drafting_rate(r) < DRAFTING_MARGIN * self.realized_rate(r, False)
                    for r in ([max(below)] if below else []) + ([min(above)] if above else []))
 
     def drafting_rate(self, rows: int) -> float | None:
