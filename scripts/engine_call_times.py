@@ -1,0 +1,89 @@
+"""Where the engine's time goes: total and per-call wall time of its main methods, plain vs scheduled.
+
+Wraps the engine's step phases (admission and prefill, drafting, context catch-up, verification, cache row copies,
+compaction, scheduling decisions) with timers and serves the same prompts with each method once, one after the other.
+A fresh scheduled engine learns as it goes (its first steps at a batch size draft to measure), as a new server would.
+SmolLM2-135M + embedded drafter:
+
+    python scripts/engine_call_times.py --concurrency 16 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from hf_dspark.defaults import load_default  # noqa: E402
+from hf_dspark.engine import DSparkEngine, SamplingParams, batching  # noqa: E402
+from hf_dspark.engine.bench import encode_prompts  # noqa: E402
+from hf_dspark.prompts import load_prompts  # noqa: E402
+
+TIMED = {
+    batching.DSparkEngine: ["step", "_admit", "_prefill", "_drafting_rows", "_draft", "_verification_lengths",
+                            "_verify", "_sps_table", "_stale_confidences"],
+    batching.RaggedBatchCache: ["append_rows", "select_rows", "commit", "compact"],
+    batching.DeferredDrafterContext: ["defer", "flush", "append_rows", "select_rows", "compact"],
+}
+
+
+def instrument(timers: dict[str, list]) -> None:
+    """Replace each timed method by a wrapper adding its calls and seconds to ``timers[Class.method]``."""
+    for cls, names in TIMED.items():
+        for name in names:
+            original = getattr(cls, name)
+
+            @functools.wraps(original)
+            def timed(*args, _original=original, _key=f"{cls.__name__}.{name}", **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    entry = timers.setdefault(_key, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - started
+
+            setattr(cls, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prompts", default="../shared/data/eval")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
+    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    timers: dict[str, list] = {}
+    instrument(timers)
+    for method in ("plain", "scheduled"):
+        timers.clear()
+        engine = DSparkEngine(target, drafter if method != "plain" else None, method=method,
+                              max_concurrency=args.concurrency, seed=0)
+        if method == "scheduled":
+            engine._profiled_table(args.concurrency)  # the SPS profile (cached after its first run) is not timed
+        timers.clear()
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
+        started = time.perf_counter()
+        for _ in engine.stream():
+            pass
+        wall = time.perf_counter() - started
+        tokens = sum(len(o.token_ids) for o in engine.outputs.values())
+        print(f"{method}: {tokens / wall:.1f} tok/s, wall {wall:.2f} s, {len(engine.stats.active)} steps, "
+              f"{sum(1 for d in engine.stats.drafting if d)} drafting")
+        for key, (calls, seconds) in sorted(timers.items(), key=lambda item: -item[1][1]):
+            print(f"   {key:40s} calls {calls:5d}  total {seconds * 1000:9.1f} ms  per call {seconds / calls * 1000:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
