@@ -17,12 +17,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-from hf_dspark.defaults import load_default  # noqa: E402
 from hf_dspark.engine import DSparkEngine, SamplingParams, batching  # noqa: E402
-from hf_dspark.engine.bench import encode_prompts  # noqa: E402
-from hf_dspark.prompts import load_prompts  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
 
 TIMED = {
     batching.DSparkEngine: ["step", "_admit", "_prefill", "_drafting_rows", "_draft", "_verification_lengths",
@@ -54,15 +51,9 @@ def instrument(timers: dict[str, list]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--prompts", default="../shared/data/eval")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    add_measurement_arguments(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
-    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    target, _, drafter, prompts = load_measurement_setup(args)
     timers: dict[str, list] = {}
     instrument(timers)
     for method in ("plain", "scheduled"):

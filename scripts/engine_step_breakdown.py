@@ -17,12 +17,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-from hf_dspark.defaults import load_default  # noqa: E402
 from hf_dspark.engine import DSparkEngine, EngineMeasurements, SamplingParams  # noqa: E402
-from hf_dspark.engine.bench import encode_prompts  # noqa: E402
-from hf_dspark.prompts import load_prompts  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
 
 
 def run(target, drafter, prompts, concurrency: int, method: str, measurements, max_new_tokens: int) -> None:
@@ -78,16 +75,10 @@ def run(target, drafter, prompts, concurrency: int, method: str, measurements, m
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--prompts", default="../shared/data/eval")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add_measurement_arguments(parser, dtype="float32")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
-    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    target, _, drafter, prompts = load_measurement_setup(args)
     measurements = EngineMeasurements()
     for repeat in range(args.repeats):
         print(f"-- round {repeat + 1}", flush=True)

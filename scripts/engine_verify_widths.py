@@ -16,28 +16,19 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
 
-from hf_dspark.defaults import load_default  # noqa: E402
 from hf_dspark.engine import DSparkEngine, SamplingParams, batching  # noqa: E402
-from hf_dspark.engine.bench import encode_prompts  # noqa: E402
-from hf_dspark.prompts import load_prompts  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafts", type=int, nargs="+", default=[0, 1, 2, 3, 5, 7],
                         help="verified drafts per step (0: the plain engine)")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--prompts", default="../shared/data/eval")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    add_measurement_arguments(parser, num_prompts=4)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
-    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    target, _, drafter, prompts = load_measurement_setup(args)
     times: dict[int, list[float]] = {}
     verify = batching.DSparkEngine._verify
 

@@ -813,6 +813,19 @@ def test_against_baseline():
         against_baseline([1.0], [1.0, 2.0])
 
 
+def test_measurement_script_arguments():
+    import argparse
+
+    from hf_dspark.engine.bench import add_measurement_arguments
+
+    parser = argparse.ArgumentParser()
+    add_measurement_arguments(parser, num_prompts=4, dtype="float32")
+    args = parser.parse_args([])
+    assert (args.num_prompts, args.max_new_tokens, args.threads, args.dtype) == (4, 32, 2, "float32")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float64"])
+
+
 def test_cli_bench_serve_rejects_unknown_method(capsys):
     from hf_dspark.cli import main
 

@@ -59,6 +59,29 @@ def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
     return out
 
 
+def add_measurement_arguments(parser, *, num_prompts: int = 64, max_new_tokens: int = 32,
+                              dtype: str = "bfloat16") -> None:
+    """The options the engine measurement scripts (``scripts/engine_*.py``) share: which prompts and how many, new
+    tokens per request, CPU threads and the dtype of SmolLM2 and the embedded drafter."""
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--prompts", default="../shared/data/eval")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
+
+
+def load_measurement_setup(args) -> tuple:
+    """For ``add_measurement_arguments``' options: set the thread count, load ``(target, tokenizer, drafter)``
+    (``hf_dspark.load_default``) in the dtype, and encode the prompts (first turns, shuffled with seed 0)."""
+    from ..defaults import load_default
+    from ..prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = load_default(dtype=getattr(torch, args.dtype))
+    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts, 0)]
+    return target, tokenizer, drafter, prompts
+
+
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -246,4 +269,5 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["against_baseline", "bench_serve", "encode_prompts", "parse_method", "plot_bench", "run_once"]
+__all__ = ["add_measurement_arguments", "against_baseline", "bench_serve", "encode_prompts", "load_measurement_setup",
+           "parse_method", "plot_bench", "run_once"]
