@@ -593,7 +593,7 @@ class DSparkEngine:
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
             per batch size R, tokens emitted per second over recent whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
-            did. Once both are measured at R and drafting steps have been slower, R decodes plain, drafting again
+            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster, R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once

@@ -414,9 +414,9 @@ class RealizedGate:
         return True
 
     def drafting_lost_nearby(self, rows: int) -> bool:
-        """Whether drafting delivered fewer tokens per second than plain rounds at the largest batch size below
-        ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were measured (drafting at
-        least twice). Below: the budget shrinks as load grows. Above, within a factor of two: a batch draining
+        """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
+        largest batch size below ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were
+        measured (drafting at least twice). Below: the budget shrinks as load grows. Above, within a factor of two: a batch draining
         from a size where drafting lost (requests finishing one by one) would otherwise pay two drafting rounds at
         every size on the way down to learn the same thing."""
         measured = [r for (r, drafted), window in self.realized.items()
@@ -454,8 +454,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         next round's; on the SmolLM2 rollouts a slow average (0.1) skips less where drafting pays (math) and about
         as much where it does not (chat).
         ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain
-        while the drafting rounds have delivered fewer tokens per second than the plain rounds (``RealizedGate`` at one
-        request, fed by the candidate generator through ``record_round``); drafting is re-measured after
+        while the drafting rounds have not delivered ``DRAFTING_MARGIN`` (3%) more tokens per second than the plain
+        rounds (``RealizedGate`` at one request, fed by the candidate generator through ``record_round``); drafting is re-measured after
         ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing. The
         cost model above prices the drafter and the verify forward; the gate also catches what it misprices (the
         context catch-up, the assisted loop's bookkeeping, confidences that promise more than the drafts deliver on
