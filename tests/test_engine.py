@@ -813,6 +813,17 @@ def test_against_baseline():
         against_baseline([1.0], [1.0, 2.0])
 
 
+def test_nondecreasing_fit():
+    from hf_dspark.engine.batching import nondecreasing_fit
+
+    assert nondecreasing_fit([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
+    assert nondecreasing_fit([1.0, 3.0, 2.0], [1, 1, 1]) == pytest.approx([1.0, 2.5, 2.5])
+    # a heavy cheap width after a light dear one pulls the pool toward itself
+    assert nondecreasing_fit([1.0, 5.0, 2.0, 2.0], [1, 1, 8, 1]) == pytest.approx([1.0, 2.3, 2.3, 2.3])
+    with pytest.raises(ValueError, match="positive weight"):
+        nondecreasing_fit([1.0], [0.0])
+
+
 def test_measurement_script_arguments():
     import argparse
 
@@ -911,11 +922,16 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     level = (8 * math.log(2) + 1 * math.log(8)) / 9
     assert price(table, 4, 1) == pytest.approx(base * math.exp((8 * math.log(2) + PRICE_PRIOR_TIMINGS * level)
                                                                / (8 + PRICE_PRIOR_TIMINGS)))
-    width3 = base * math.exp((math.log(8) + PRICE_PRIOR_TIMINGS * level) / (1 + PRICE_PRIOR_TIMINGS))
-    assert price(table, 4, 3) == pytest.approx(width3) and width3 < 8 * base / 1.5  # one timing: part of the way
+    width3 = (math.log(8) + PRICE_PRIOR_TIMINGS * level) / (1 + PRICE_PRIOR_TIMINGS)  # one timing: part of the way
     assert price(table, 4, 2) == pytest.approx(base * math.exp(level))  # not run here: the level
-    for w in range(4, drafter.config.block_size + 2):  # never cheaper than a narrower width
-        assert price(table, 4, w) == pytest.approx(max(width3, base * math.exp(level)))
+    # widths 4.. (not run: the level, weight PRICE_PRIOR_TIMINGS each) are cheaper than width 3's price: the
+    # non-decreasing fit pools them with width 3 (weight 1 + PRICE_PRIOR_TIMINGS) instead of lifting them all to it
+    wider = drafter.config.block_size + 1 - 3
+    pooled = ((1 + PRICE_PRIOR_TIMINGS) * width3 + wider * PRICE_PRIOR_TIMINGS * level) / (
+        1 + PRICE_PRIOR_TIMINGS + wider * PRICE_PRIOR_TIMINGS)
+    for w in range(3, drafter.config.block_size + 2):
+        assert price(table, 4, w) == pytest.approx(base * math.exp(pooled))
+    assert base * math.exp(level) < base * math.exp(pooled) < base * math.exp(width3) < 8 * base
     assert engine._sps_table(4) is table  # cached
     # a batch size with nothing measured takes the nearest one's level; a width 3x dearer than the level at R = 4
     # (timed there many times) is 3x dearer at R = 8 too

@@ -593,8 +593,8 @@ class DSparkEngine:
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
             per batch size R, tokens emitted per second over recent whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
-            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster, R decodes plain, drafting again
-            after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
+            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster, R
+            decodes plain, drafting again after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
             drafting has been measured twice at R where plain never was, the next step decodes plain to measure that
@@ -961,12 +961,14 @@ class DSparkEngine:
           for the level. A width timed many times costs what it measured; one timed once or twice (a probe, a rare
           width, possibly in a hiccup of a shared machine) moves its price only part of the way, so one noisy
           timing does not make every wider width look dear;
-        - a width not yet run at this R: the level, times how much dearer than the level that width was at the
-          nearest batch size that ran it (never cheaper: one slow wide step at R = 8 stops the first wide step at
-          R = 16 from being taken at the profile's word).
+        - a width not yet run at this R: the level, times how much dearer than the level that width (or a narrower
+          one not run here) was at the nearest batch size that ran it (never cheaper: one slow wide step at R = 8
+          stops the first wide step at R = 16 from being taken at the profile's word).
 
-        A width is never priced cheaper than a narrower one (running maximum of the cost). Only past steps are used.
-        Tables are cached until a new measurement arrives."""
+        A width is never priced cheaper than a narrower one: the log costs get their weighted non-decreasing fit
+        (``nondecreasing_fit``; weights: the width's timings plus ``PRICE_PRIOR_TIMINGS``), so a narrow width that
+        measured dear is pooled with the cheaper wider ones after it instead of lifting all of them to its price.
+        Only past steps are used. Tables are cached until a new measurement arrives."""
         table = self._profiled_table(num_requests)
         if not self.adapt_sps or not self.measurements.verify_cost:  # without adapt_sps the given SPS is used as is
             return table
@@ -976,17 +978,23 @@ class DSparkEngine:
         ratios = self._log_cost_ratios()
         level = self._log_level(num_requests, ratios)
         widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
-        priced = table.clone()
-        cost = 0.0
+        log_costs, weights = [], []
+        excess = 0.0  # carried to wider widths not run here: they are at least as much dearer than the level
         for w in widths:
             own = ratios.get(num_requests, {}).get(w)
+            weight = PRICE_PRIOR_TIMINGS
             if own is not None:
-                weight = float(self.measurements.timings(num_requests, w))
-                log_ratio = (weight * own + PRICE_PRIOR_TIMINGS * level) / (weight + PRICE_PRIOR_TIMINGS)
+                timings = float(self.measurements.timings(num_requests, w))
+                log_ratio = (timings * own + PRICE_PRIOR_TIMINGS * level) / (timings + PRICE_PRIOR_TIMINGS)
+                weight += timings
             else:
-                log_ratio = level + self._log_width_excess(num_requests, w, ratios)
-            cost = max(cost, math.exp(log_ratio) / float(table[num_requests * w]))
-            priced[num_requests * w] = 1.0 / cost
+                excess = max(excess, self._log_width_excess(num_requests, w, ratios))
+                log_ratio = level + excess
+            log_costs.append(log_ratio - math.log(float(table[num_requests * w])))
+            weights.append(weight)
+        priced = table.clone()
+        for w, log_cost in zip(widths, nondecreasing_fit(log_costs, weights)):
+            priced[num_requests * w] = math.exp(-log_cost)
         self._priced_tables[num_requests] = (self.measurements.version, priced)
         return priced
 
@@ -1225,6 +1233,22 @@ class DSparkEngine:
         # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()
+
+
+def nondecreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators): runs that decrease are
+    replaced by their weighted mean, merging until the sequence never decreases."""
+    if len(values) != len(weights) or any(w <= 0 for w in weights):
+        raise ValueError("need one positive weight per value")
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([float(value), float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean2, weight2, count2 = blocks.pop()
+            mean1, weight1, count1 = blocks.pop()
+            blocks.append([(mean1 * weight1 + mean2 * weight2) / (weight1 + weight2), weight1 + weight2,
+                           count1 + count2])
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 def _bucket(rows: int) -> int:
