@@ -18,8 +18,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from hf_dspark.engine import DSparkEngine, SamplingParams, batching  # noqa: E402
-from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
+from hf_dspark.engine import DSparkEngine, batching  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup, serve  # noqa: E402
 
 TIMED = {
     batching.DSparkEngine: ["step", "_admit", "_prefill", "_drafting_rows", "_draft", "_verification_lengths",
@@ -57,19 +57,12 @@ def main() -> None:
     timers: dict[str, list] = {}
     instrument(timers)
     for method in ("plain", "scheduled"):
-        timers.clear()
         engine = DSparkEngine(target, drafter if method != "plain" else None, method=method,
                               max_concurrency=args.concurrency, seed=0)
         if method == "scheduled":
             engine._profiled_table(args.concurrency)  # the SPS profile (cached after its first run) is not timed
         timers.clear()
-        for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
-        started = time.perf_counter()
-        for _ in engine.stream():
-            pass
-        wall = time.perf_counter() - started
-        tokens = sum(len(o.token_ids) for o in engine.outputs.values())
+        tokens, wall = serve(engine, prompts, args.max_new_tokens)
         print(f"{method}: {tokens / wall:.1f} tok/s, wall {wall:.2f} s, {len(engine.stats.active)} steps, "
               f"{sum(1 for d in engine.stats.drafting if d)} drafting")
         for key, (calls, seconds) in sorted(timers.items(), key=lambda item: -item[1][1]):

@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from hf_dspark.engine import DSparkEngine, SamplingParams  # noqa: E402
-from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
+from hf_dspark.engine import DSparkEngine  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup, serve  # noqa: E402
 from hf_dspark.profiling import BatchedStepsPerSecond  # noqa: E402
 from hf_dspark.scheduling import StepsPerSecond  # noqa: E402
 
@@ -41,15 +40,10 @@ def main() -> None:
             else:
                 engine = DSparkEngine(target, drafter, method="scheduled", sps=never,
                                       max_concurrency=args.concurrency, seed=0)
-            for prompt in prompts:
-                engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
-            started = time.perf_counter()
-            for _ in engine.stream():
-                pass
-            wall = time.perf_counter() - started
+            tokens, wall = serve(engine, prompts, args.max_new_tokens)
             if sum(engine.stats.drafting):
                 raise RuntimeError("the scheduled engine drafted: the prohibitive profile did not hold")
-            rates[name].append(sum(len(o.token_ids) for o in engine.outputs.values()) / wall)
+            rates[name].append(tokens / wall)
             print(f"{name:32s} {rates[name][-1]:7.1f} tok/s", flush=True)
     for name, values in rates.items():
         print(f"{name:32s} mean {statistics.fmean(values):7.1f}  best {max(values):7.1f} tok/s")

@@ -17,8 +17,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-from hf_dspark.engine import DSparkEngine, SamplingParams, batching  # noqa: E402
-from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup  # noqa: E402
+from hf_dspark.engine import DSparkEngine, batching  # noqa: E402
+from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup, serve  # noqa: E402
 
 
 def main() -> None:
@@ -43,10 +43,7 @@ def main() -> None:
         for drafts in args.drafts:
             engine = (DSparkEngine(target, None, method="plain", max_concurrency=1) if drafts == 0 else
                       DSparkEngine(target, drafter, method="fixed", num_verify_tokens=drafts, max_concurrency=1))
-            for prompt in prompts:
-                engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
-            for _ in engine.stream():
-                pass
+            serve(engine, prompts, args.max_new_tokens)
     for width in sorted(times):
         print(f"width {width}: {len(times[width]):4d} steps, median {statistics.median(times[width]) * 1000:6.1f} ms")
 

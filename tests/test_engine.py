@@ -824,6 +824,17 @@ def test_nondecreasing_fit():
         nondecreasing_fit([1.0], [0.0])
 
 
+def test_serve_runs_every_prompt(tiny_targets):
+    from hf_dspark.engine.bench import serve
+
+    target = tiny_targets["llama"]
+    prompts = in_distribution_prompts(target, 3)
+    engine = DSparkEngine(target, None, method="plain", max_concurrency=2)
+    tokens, wall = serve(engine, prompts, 5)
+    assert tokens == 15 and wall > 0 and not engine.has_unfinished()
+    assert [engine.outputs[str(i)].token_ids for i in range(3)] == [plain_greedy(target, p, 5) for p in prompts]
+
+
 def test_measurement_script_arguments():
     import argparse
 

@@ -70,6 +70,18 @@ def add_measurement_arguments(parser, *, num_prompts: int = 64, max_new_tokens: 
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype)
 
 
+def serve(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[int, float]:
+    """Queue every prompt on ``engine`` (greedy, ``max_new_tokens`` each) and run it to completion: (tokens
+    generated, wall seconds of the run)."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens))
+    started = time.perf_counter()
+    for _ in engine.stream():
+        pass
+    wall = time.perf_counter() - started
+    return sum(len(o.token_ids) for o in engine.outputs.values()), wall
+
+
 def load_measurement_setup(args) -> tuple:
     """For ``add_measurement_arguments``' options: set the thread count, load ``(target, tokenizer, drafter)``
     (``hf_dspark.load_default``) in the dtype, and encode the prompts (first turns, shuffled with seed 0)."""
@@ -270,4 +282,4 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 
 __all__ = ["add_measurement_arguments", "against_baseline", "bench_serve", "encode_prompts", "load_measurement_setup",
-           "parse_method", "plot_bench", "run_once"]
+           "parse_method", "plot_bench", "run_once", "serve"]
