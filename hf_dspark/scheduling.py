@@ -327,6 +327,11 @@ REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing draft
 # wrong "draft" also costs what the rounds do not show (drafting desynchronises a batch's requests, so more of them
 # join one by one, each join a prefill and a cache copy), while a wrong "plain" only forgoes a small gain.
 DRAFTING_MARGIN = 1.03
+# A losing drafting side is re-measured only once the plain rounds run since it last drafted are long enough that the
+# re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is at most this fraction
+# of their time: drafting that lost narrowly is re-measured soon, one that lost badly (SmolLM2 at 64 requests: 45%)
+# rarely, so exploring costs at most about this fraction of the time wherever drafting loses.
+EXPLORE_BUDGET = 0.02
 
 
 class RealizedGate:
@@ -344,6 +349,7 @@ class RealizedGate:
         self.realized: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
         # Exploration state (not saved: a loaded file starts a fresh schedule of re-measurements)
         self.steps_since: dict[tuple[int, bool], int] = {}  # rounds at R since the last (drafting, plain) round
+        self.plain_seconds: dict[int, float] = {}  # R -> seconds of plain rounds at R since its last drafting round
         self.explore_wait: dict[int, int] = {}  # R -> rounds before drafting is re-measured while it loses
         # R -> drafting rounds since its last re-measurement began (absent: the whole window counts)
         self.fresh_rounds: dict[int, int] = {}
@@ -353,6 +359,7 @@ class RealizedGate:
         key = (rows, drafted)
         self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
         self.steps_since[key] = 0
+        self.plain_seconds[rows] = 0.0 if drafted else self.plain_seconds.get(rows, 0.0) + float(seconds)
         if drafted and rows in self.fresh_rounds:
             self.fresh_rounds[rows] += 1
             if self.fresh_rounds[rows] >= REALIZED_WINDOW:  # the window holds fresh rounds only
@@ -372,14 +379,18 @@ class RealizedGate:
         return sum(e for e, _ in window) / seconds if seconds > 0 else float("inf")
 
     # -- the realized gate ---------------------------------------------------------------------------------------
-    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int) -> bool:
+    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
+                         explore_budget: float = EXPLORE_BUDGET) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
         whole rounds delivered there: free until drafting has been measured twice; then a plain round at once when
         the plain side was never measured there (and one every ``explore_interval`` rounds while drafting wins, to
         keep the plain side fresh); otherwise the faster side, re-measuring a losing drafting side after a wait that
-        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing. A
-        re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since
-        it began, up to the window), not on the window of the stretch that made drafting lose.
+        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing, and
+        that also lasts until the expected loss of the re-measurement (``REMEASURE_ROUNDS`` drafting rounds at the
+        measured shortfall) is at most ``explore_budget`` of the plain rounds' seconds since drafting last ran
+        (``remeasure_loss``; never past ``max_explore_interval`` rounds; 0 turns this off). A re-measurement drafts
+        ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since it began, up to the
+        window), not on the window of the stretch that made drafting lose.
 
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
         where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
@@ -404,14 +415,28 @@ class RealizedGate:
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             self.explore_wait[rows] = explore_interval
             return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
-        if self.steps_since.get((rows, True), 0) < wait:
+        since = self.steps_since.get((rows, True), 0)
+        if since < wait:
             return False
+        if (explore_budget > 0 and since < max_explore_interval
+                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(rows, plain_rate)):
+            return False  # drafting lost by so much that re-measuring now would spend more than the budget
         # Re-measure drafting now, judged on REMEASURE_ROUNDS new rounds alone: the rounds from before the wait
         # came from other text (a hard stretch that made drafting lose), and one new round added to them could
         # hardly change the verdict, so a passing bad stretch would keep drafting off for ever longer waits.
         self.explore_wait[rows] = min(2 * wait, max_explore_interval)
         self.fresh_rounds[rows] = 0
         return True
+
+    def remeasure_loss(self, rows: int, plain_rate: float) -> float:
+        """Expected seconds a re-measurement of drafting at ``rows`` loses against plain rounds: ``REMEASURE_ROUNDS``
+        drafting rounds of the window's mean length, times the fraction of them plain rounds would have saved."""
+        window = self.realized.get((rows, True))
+        drafting_rate = self.drafting_rate(rows)
+        if not window or drafting_rate is None or plain_rate <= 0:
+            return 0.0
+        shortfall = max(0.0, 1.0 - drafting_rate / plain_rate)
+        return REMEASURE_ROUNDS * sum(s for _, s in window) / len(window) * shortfall
 
     def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
@@ -444,7 +469,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
 
     def __init__(self, sps: StepsPerSecond | None = None, online_correction: bool = True, skip_drafting: bool = True,
                  probe_interval: int = 4, max_probe_interval: int = 64, confidence_smoothing: float = 0.1,
-                 realized_gate: bool = False, explore_interval: int = 16, max_explore_interval: int = 256):
+                 realized_gate: bool = False, explore_interval: int = 16, max_explore_interval: int = 256,
+                 explore_budget: float = EXPLORE_BUDGET):
         """``online_correction``: rescale survivals by the acceptance observed so far (``OnlineSurvivalCorrection``).
         ``skip_drafting``: do not draft when the confidences of the drafts so far predict a zero length, or a gain
         that does not pay for the drafter's measured time; probe again after ``probe_interval`` skipped rounds (the
@@ -456,7 +482,9 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain
         while the drafting rounds have not delivered ``DRAFTING_MARGIN`` (3%) more tokens per second than the plain
         rounds (``RealizedGate`` at one request, fed by the candidate generator through ``record_round``); drafting is re-measured after
-        ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing. The
+        ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing, and
+        lasting until the re-measurement's expected loss is at most ``explore_budget`` of the plain rounds' time
+        since (``RealizedGate.drafting_allowed``). The
         cost model above prices the drafter and the verify forward; the gate also catches what it misprices (the
         context catch-up, the assisted loop's bookkeeping, confidences that promise more than the drafts deliver on
         this kind of text). The gate is shared by every ``generate()`` call with the same drafter and target
@@ -472,6 +500,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         if explore_interval < 1 or max_explore_interval < explore_interval:
             raise ValueError(f"need 1 <= explore_interval <= max_explore_interval, got {explore_interval}, "
                              f"{max_explore_interval}")
+        if not 0.0 <= explore_budget < 1.0:
+            raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
         self.sps = sps
         self._table = None if sps is None else sps.table()
         self.online_correction = online_correction
@@ -480,6 +510,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         self.confidence_smoothing = confidence_smoothing
         self.realized_gate = realized_gate
         self.explore_interval, self.max_explore_interval = explore_interval, max_explore_interval
+        self.explore_budget = explore_budget
         self.gate: RealizedGate | None = None
         self.correction: OnlineSurvivalCorrection | None = None
         self._round: tuple[torch.Tensor, int] | None = None  # this round's raw confidences and verified length
@@ -495,7 +526,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
                    confidence_smoothing=float(getattr(generation_config, "confidence_smoothing", None) or 0.1),
                    realized_gate=bool(getattr(generation_config, "realized_gate", None)),
                    explore_interval=int(getattr(generation_config, "explore_interval", None) or 16),
-                   max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256))
+                   max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256),
+                   explore_budget=_explore_budget(generation_config))
 
     def set_sps(self, sps: StepsPerSecond) -> None:
         self.sps, self._table = sps, sps.table()
@@ -550,7 +582,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         if not self._confidences_would_draft(max_drafts, draft_seconds):
             return False
         if self.uses_realized_gate and self.gate is not None:
-            return self.gate.drafting_allowed(1, self.explore_interval, self.max_explore_interval)
+            return self.gate.drafting_allowed(1, self.explore_interval, self.max_explore_interval,
+                                              self.explore_budget)
         return True
 
     def _confidences_would_draft(self, max_drafts, draft_seconds):
@@ -567,6 +600,12 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         drafting = (1.0 + float(survival.sum())) / (1.0 / float(table[min(1 + length, table.shape[0] - 1)])
                                                     + draft_seconds)
         return drafting > float(table[1])
+
+def _explore_budget(generation_config: Any) -> float:
+    """``generation_config.explore_budget`` (unset or None: ``EXPLORE_BUDGET``; 0 is kept: no budget)."""
+    value = getattr(generation_config, "explore_budget", None)
+    return EXPLORE_BUDGET if value is None else float(value)
+
 
 def policy_from_generation_config(generation_config: Any, block_size: int, has_confidence_head: bool) -> VerificationPolicy:
     """Build the policy named by ``generation_config.verification_policy`` (default ``"fixed"``)."""
@@ -587,6 +626,8 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 
 __all__ = [
     "ConfidenceThresholdPolicy",
+    "DRAFTING_MARGIN",
+    "EXPLORE_BUDGET",
     "PrefixSchedulerPolicy",
     "REALIZED_WINDOW",
     "REMEASURE_ROUNDS",

@@ -472,7 +472,7 @@ def test_realized_gate_decisions():
     target = make_target("llama")
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
-                          max_explore_interval=12)
+                          max_explore_interval=12, explore_budget=0)  # the doubling wait alone
     assert engine.realized_gate
     assert engine._realized_allows_drafting(4)
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
@@ -518,6 +518,8 @@ def test_realized_gate_decisions():
     assert not DSparkEngine(target, drafter, method="fixed").realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
         DSparkEngine(target, drafter, method="scheduled", explore_interval=0)
+    with pytest.raises(ValueError, match="explore_budget must be in"):
+        DSparkEngine(target, drafter, method="scheduled", explore_budget=-0.1)
     with pytest.raises(ValueError, match="max_explore_interval"):
         DSparkEngine(target, drafter, method="scheduled", explore_interval=8, max_explore_interval=4)
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_dspark.scheduling import (
+    EXPLORE_BUDGET,
     REALIZED_WINDOW,
     REMEASURE_ROUNDS,
     PrefixSchedulerPolicy,
@@ -258,7 +259,7 @@ def test_policy_realized_gate_overrides_confident_drafting():
     ``max_explore_interval``; once drafting wins, the confidences decide again."""
     flat = StepsPerSecond([1, 8], [100.0, 100.0])  # verification is free: the confidences always say "draft"
     policy = PrefixSchedulerPolicy(flat, online_correction=False, realized_gate=True, explore_interval=2,
-                                   max_explore_interval=4)
+                                   max_explore_interval=4, explore_budget=0)  # the doubling wait alone
     assert policy.uses_realized_gate and policy.should_draft(2)  # no gate handed over yet: the confidences decide
     gate = RealizedGate()
     policy.set_realized_gate(gate)
@@ -316,17 +317,17 @@ def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     for _ in range(REALIZED_WINDOW):
         gate.record_step(1, True, 1, 1.0)  # the hard stretch: 1 token/s
     gate.record_step(1, False, 1, 0.1)  # plain: 10 tokens/s
-    assert not gate.drafting_allowed(1, 2, 8)  # drafting lost, last ran 1 round ago
+    assert not gate.drafting_allowed(1, 2, 8, 0)  # drafting lost, last ran 1 round ago
     gate.record_step(1, False, 1, 0.1)
-    assert gate.drafting_allowed(1, 2, 8) and gate.fresh_rounds[1] == 0  # re-measure now
+    assert gate.drafting_allowed(1, 2, 8, 0) and gate.fresh_rounds[1] == 0  # re-measure now
     for k in range(REMEASURE_ROUNDS):
-        assert gate.drafting_allowed(1, 2, 8)  # the re-measurement runs its rounds whatever they show
+        assert gate.drafting_allowed(1, 2, 8, 0)  # the re-measurement runs its rounds whatever they show
         gate.record_step(1, True, 3, 0.1)  # easy text now: 30 tokens/s
     assert gate.realized_rate(1, True) < gate.realized_rate(1, False)  # the old window would still say "lose"
     assert gate.realized_rate(1, True, last=REMEASURE_ROUNDS) == pytest.approx(30.0)
-    assert not gate.drafting_allowed(1, 2, 8)  # drafting wins; the plain side is stale (2 rounds): refresh it
+    assert not gate.drafting_allowed(1, 2, 8, 0)  # drafting wins; the plain side is stale (2 rounds): refresh it
     gate.record_step(1, False, 1, 0.1)
-    assert gate.drafting_allowed(1, 2, 8) and gate.explore_wait[1] == 2  # wins: waits reset
+    assert gate.drafting_allowed(1, 2, 8, 0) and gate.explore_wait[1] == 2  # wins: waits reset
     for _ in range(REALIZED_WINDOW):
         gate.record_step(1, True, 3, 0.1)
     assert 1 not in gate.fresh_rounds  # the window is all fresh rounds now
@@ -336,10 +337,54 @@ def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
         slow.record_step(1, True, 1, 1.0)
     slow.record_step(1, False, 1, 0.1)
     slow.record_step(1, False, 1, 0.1)
-    assert slow.drafting_allowed(1, 2, 8)
+    assert slow.drafting_allowed(1, 2, 8, 0)
     for _ in range(REMEASURE_ROUNDS):
         slow.record_step(1, True, 1, 1.0)
-    assert not slow.drafting_allowed(1, 2, 8) and slow.explore_wait[1] == 4
+    assert not slow.drafting_allowed(1, 2, 8, 0) and slow.explore_wait[1] == 4
+
+
+def test_realized_gate_spends_an_exploration_budget():
+    """A losing drafting side is re-measured once the plain rounds since it last drafted have run long enough that
+    the re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is within the
+    budget's fraction of their time: soon after a narrow loss, late after a heavy one, and never later than
+    ``max_explore_interval`` rounds."""
+    assert EXPLORE_BUDGET == 0.02
+
+    def losing_gate(drafting_rate: float) -> RealizedGate:
+        gate = RealizedGate()
+        for _ in range(4):
+            gate.record_step(8, True, drafting_rate, 1.0)  # drafting rounds of 1 s
+        return gate
+
+    def rounds_until_remeasured(drafting_rate: float, budget: float, max_wait: int = 10_000) -> int:
+        gate = losing_gate(drafting_rate)
+        rounds = 0
+        while True:
+            gate.record_step(8, False, 1.0, 0.125)  # plain rounds: 8 tokens/s
+            rounds += 1
+            if gate.drafting_allowed(8, 2, max_wait, budget):
+                return rounds
+
+    # shortfall 50%: a re-measurement loses 2 x 1 s x 0.5 = 1 s, which 2% buys after 50 s of plain rounds (400)
+    assert losing_gate(4.0).remeasure_loss(8, 8.0) == pytest.approx(1.0)
+    assert abs(rounds_until_remeasured(4.0, 0.02) - 400) <= 1
+    assert abs(rounds_until_remeasured(4.0, 0.10) - 80) <= 1
+    # shortfall 12.5%: 0.25 s, bought after 12.5 s (100 rounds); without a budget the doubling wait alone (2 rounds)
+    assert abs(rounds_until_remeasured(7.0, 0.02) - 100) <= 1
+    assert rounds_until_remeasured(7.0, 0.0) == 2
+    assert rounds_until_remeasured(4.0, 0.02, max_wait=64) == 64  # max_explore_interval bounds the wait
+    # a drafting round resets the plain time: the next budget counts from there
+    gate = losing_gate(7.0)
+    for _ in range(90):
+        gate.record_step(8, False, 1.0, 0.125)
+    assert gate.plain_seconds[8] == pytest.approx(11.25) and not gate.drafting_allowed(8, 2, 1000)
+    for _ in range(12):
+        gate.record_step(8, False, 1.0, 0.125)
+    assert gate.drafting_allowed(8, 2, 1000)
+    gate.record_step(8, True, 7.0, 1.0)
+    assert gate.plain_seconds[8] == 0.0
+    assert RealizedGate().remeasure_loss(8, 8.0) == 0.0  # nothing measured: nothing to lose
+    assert losing_gate(9.0).remeasure_loss(8, 8.0) == 0.0  # drafting wins: no shortfall
 
 
 def test_policy_realized_gate_settings_from_generation_config():
@@ -349,9 +394,14 @@ def test_policy_realized_gate_settings_from_generation_config():
     assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # default off
     config.realized_gate = None  # what a restored, never-set attribute looks like
     assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate
+    assert PrefixSchedulerPolicy.from_generation_config(config, 4).explore_budget == EXPLORE_BUDGET
     config.realized_gate, config.explore_interval, config.max_explore_interval = True, 3, 9
+    config.explore_budget = 0.0  # kept: no budget
     policy = PrefixSchedulerPolicy.from_generation_config(config, 4)
     assert policy.uses_realized_gate and (policy.explore_interval, policy.max_explore_interval) == (3, 9)
+    assert policy.explore_budget == 0.0
+    with pytest.raises(ValueError, match="explore_budget"):
+        PrefixSchedulerPolicy(explore_budget=1.0)
     config.realized_gate, config.skip_drafting = True, False
     assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # it only gates skipping
 
