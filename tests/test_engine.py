@@ -900,8 +900,11 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     _set_verify_costs(engine, {(r, w): 0.01 if w == 1 else 10.0
                                for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}, 1000)
     table = engine._sps_table(rows)
-    # timed many times each (a full median window), the measured prices outweigh the profile's
-    assert float(table[rows]) > 40.0 and float(table[2 * rows]) < 0.25
+    # timed many times each (a full median window), the measured prices move the profile's flat shape a third of the
+    # way (PRICE_PRIOR_TIMINGS): width 2 now costs 1000 ** (1 / 3) = 10x width 1, and every width is dearer than
+    # the profile's level
+    assert float(table[rows]) == pytest.approx(10.0 * float(table[2 * rows]), rel=1e-3)
+    assert float(table[rows]) < 100.0 and float(table[2 * rows]) < 1.0
     before = len(engine.stats.widths)
     engine.run()
     assert all(w == 1 for w in engine.stats.widths[before:])  # every wider block now costs more than it can gain
@@ -1051,3 +1054,50 @@ def test_bench_method_specs():
     for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_method(bad)
+
+
+def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trained_drafters):
+    """``EngineMeasurements.model_factor``: over the recent steps whose drafting decision the cost model made, the
+    tokens per second each side delivered over what the model predicted for it, shrunk toward 1 by
+    ``MODEL_PRIOR_STEPS`` (in log scale), from the nearest batch size bucket checked. ``_drafting_pays`` scales each
+    side's expected rate by it: drafting steps that delivered a fifth of their prediction stop the drafts the bare
+    model would take. A served engine records its checks, and its outputs stay exact."""
+    import math
+
+    from hf_dspark.engine import EngineMeasurements
+    from hf_dspark.engine.measurements import MODEL_PRIOR_STEPS
+
+    measurements = EngineMeasurements()
+    assert measurements.model_factor(4, True) == 1.0  # nothing checked
+    for _ in range(2):  # predicted 20 tokens in 0.1 s; delivered 10 in 0.1 s: half the rate
+        measurements.record_model_check(4, True, 20.0, 0.1, 10, 0.1)
+    half = math.exp(2 / (2 + MODEL_PRIOR_STEPS) * math.log(0.5))
+    assert measurements.model_factor(4, True) == pytest.approx(half)
+    assert measurements.model_factor(8, True) == pytest.approx(half)  # nearest bucket checked
+    assert measurements.model_factor(4, False) == 1.0  # the other side is its own
+    for _ in range(100):
+        measurements.record_model_check(4, True, 20.0, 0.1, 10, 0.1)
+    assert len(measurements.model_checks[(4, True)]) == 32  # a window of recent steps
+    with pytest.raises(ValueError, match="positive"):
+        measurements.record_model_check(4, True, 20.0, 0.0, 10, 0.1)
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
+    engine.measurements.record_draft(4, 0.001)  # a cheap drafter
+    stale = torch.full((4, drafter.config.block_size), 0.9)
+    table = engine._sps_table(4)
+    predicted = torch.full((4,), 2)
+    assert engine._drafting_pays(stale, predicted, table, 4)
+    assert engine._prediction is not None and engine._prediction[0] > 4  # kept for the step to check
+    for _ in range(32):  # its drafting steps delivered a fifth of what it predicted
+        engine.measurements.record_model_check(4, True, 10.0, 0.01, 2, 0.01)
+    assert not engine._drafting_pays(stale, predicted, table, 4) and engine._prediction is None
+
+    served = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
+    prompts = in_distribution_prompts(target, 3)
+    ids = [served.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    served.run()
+    for request_id, prompt in zip(ids, prompts):
+        assert served.outputs[request_id].token_ids == plain_greedy(target, prompt, 24)
+    checks = served.measurements.model_checks
+    assert checks and all(p > 0 and m > 0 and e >= 1 and t > 0 for w in checks.values() for p, m, e, t in w)

@@ -62,8 +62,11 @@ from .measurements import EngineMeasurements, measurement_key
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
-# it (``DSparkEngine._sps_table``): a width timed twice sits halfway between the two.
-PRICE_PRIOR_TIMINGS = 2.0
+# it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
+# to its own median. Each width's timings come from other stretches of the run: at 16 requests the width-2 steps
+# were the early, short-context ones and the plain steps the late ones, so their medians came out equal where the
+# profile (and each measured alone) has width 2 at 1.25x width 1, and the cost model took width 2 for free.
+PRICE_PRIOR_TIMINGS = 32.0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -704,6 +707,7 @@ class DSparkEngine:
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
+        self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
         self._sps = sps
@@ -866,8 +870,16 @@ class DSparkEngine:
         self.stats.emitted.append(emitted)
         self.stats.draft_s += t1 - t0
         self.stats.verify_s += t2 - t1
+        seconds = time.perf_counter() - t0
         if self.realized_gate:  # what the whole step delivered
-            self.measurements.record_step(len(rows), bool(drafting), emitted, time.perf_counter() - t0)
+            self.measurements.record_step(len(rows), bool(drafting), emitted, seconds)
+        if self.method == "scheduled" and self.cost_aware:  # the cost model's prediction against the step
+            if drafting and self._prediction is not None:
+                self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
+            elif not drafting:
+                price = float(self._sps_table(len(rows))[len(rows)])
+                self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), 1.0 / price, emitted,
+                                                     seconds)
         return events
 
     def _realized_allows_drafting(self, num_requests: int) -> bool:
@@ -1091,6 +1103,7 @@ class DSparkEngine:
         predicted to verify drafts skip drafting too when the predicted gain does not cover the drafter's measured
         cost (until one of them is due for a probe, which also refreshes the cost). The decision uses no
         information from this step's drafts, so it cannot bias the output."""
+        self._prediction = None
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
@@ -1109,6 +1122,8 @@ class DSparkEngine:
         if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
             return []
         chosen = sorted(set(worth) | set(due))
+        if due:
+            self._prediction = None  # probes and new requests draft whatever the model says: not its decision
         if not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
@@ -1132,7 +1147,10 @@ class DSparkEngine:
 
     def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int) -> bool:
         """Whether drafting ``rows`` requests is expected to beat plain decoding this step, from the stale
-        prediction (``predicted`` lengths, survivals of ``stale`` confidences) and the drafter's measured cost."""
+        prediction (``predicted`` lengths, survivals of ``stale`` confidences) and the drafter's measured cost, each
+        side's expected rate scaled by what its recent steps delivered against this model's prediction for them
+        (``EngineMeasurements.model_factor``). When it says "draft", its prediction (tokens, seconds) is kept for
+        the step to check against what it delivers."""
         cost = self.measurements.draft_cost.get(_bucket(rows))
         if cost is None:
             return True  # not measured yet: draft, and measure
@@ -1143,8 +1161,14 @@ class DSparkEngine:
         longest = int(predicted.max())
         batch = num_requests * (1 + longest) if self.schedule == "padded" else num_requests + int(predicted.sum())
         batch = min(batch, table.shape[0] - 1)
-        drafting = (num_requests + gain) / (1.0 / float(table[batch]) + cost)
-        return drafting > num_requests * float(table[num_requests])
+        seconds = 1.0 / float(table[batch]) + cost
+        bucket = _bucket(num_requests)
+        # What each side's recent steps delivered over what this model predicted for them (1 until checked)
+        drafting = (num_requests + gain) / seconds * self.measurements.model_factor(bucket, True)
+        plain = num_requests * float(table[num_requests]) * self.measurements.model_factor(bucket, False)
+        pays = drafting > plain
+        self._prediction = (num_requests + gain, seconds) if pays else None
+        return pays
 
     def _draft(self, rows: list[int]) -> _Drafts:
         """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their

@@ -12,6 +12,7 @@ other conditions are refused, not reused.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections import deque
@@ -21,6 +22,8 @@ from ..scheduling import REALIZED_WINDOW, RealizedGate
 
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
+MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
+MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
 
 
 def ema(previous: float | None, value: float) -> float:
@@ -55,6 +58,10 @@ class EngineMeasurements(RealizedGate):
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
       machine) moves it by a thirty-second, not by the 30% a moving average would.
 
+    - ``model_checks[(bucket, drafted)]``: for the last ``MODEL_WINDOW`` steps whose drafting decision the engine's
+      cost model made, at a power-of-two bucket of batch sizes: ``(predicted tokens, modeled seconds, emitted
+      tokens, seconds)``; ``model_factor`` is what they delivered over what the model predicted (in memory only).
+
     ``version`` increases with every verify timing (the engine rebuilds its repriced SPS tables on a change).
     """
 
@@ -65,6 +72,7 @@ class EngineMeasurements(RealizedGate):
         self.verify_cost: dict[tuple[int, int], float] = {}
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
+        self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
         self.version = 0
 
     # -- recording -----------------------------------------------------------------------------------------------
@@ -78,6 +86,32 @@ class EngineMeasurements(RealizedGate):
         self.verify_cost[key] = statistics.median(window)
         self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
+
+    def record_model_check(self, bucket: int, drafted: bool, predicted_tokens: float, modeled_seconds: float,
+                           emitted: int, seconds: float) -> None:
+        """One step the cost model decided at batch size ``bucket``: the tokens and seconds it predicted for the side
+        it chose (``drafted`` or plain), and what the step emitted and took (the whole step)."""
+        if predicted_tokens <= 0 or modeled_seconds <= 0 or seconds <= 0:
+            raise ValueError(f"a model check needs positive predictions and timing, got {predicted_tokens}, "
+                             f"{modeled_seconds}, {seconds}")
+        self.model_checks.setdefault((bucket, drafted), deque(maxlen=MODEL_WINDOW)).append(
+            (float(predicted_tokens), float(modeled_seconds), float(emitted), float(seconds)))
+
+    def model_factor(self, bucket: int, drafted: bool) -> float:
+        """Tokens per second the recent steps of one side delivered over what the cost model predicted for them
+        (total over total), at ``bucket`` or the nearest bucket with steps of that side; shrunk toward 1 by
+        ``MODEL_PRIOR_STEPS`` in log scale; 1 when nothing was checked. The model prices the verify forward and the
+        drafter; the factor carries what it leaves out (context catch-up, bookkeeping, compaction) and how far the
+        stale confidences' predicted acceptance missed."""
+        buckets = [b for (b, d) in self.model_checks if d == drafted]
+        if not buckets:
+            return 1.0
+        nearest = min(buckets, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
+        window = self.model_checks[(nearest, drafted)]
+        predicted = sum(p for p, _, _, _ in window) / sum(m for _, m, _, _ in window)
+        realized = sum(e for _, _, e, _ in window) / sum(t for _, _, _, t in window)
+        weight = len(window) / (len(window) + MODEL_PRIOR_STEPS)
+        return math.exp(weight * math.log(max(realized, 1e-9) / predicted))
 
     def timings(self, rows: int, width: int) -> int:
         """How many verify timings stand behind ``verify_cost[(rows, width)]``: those seen, up to the median's
@@ -143,4 +177,5 @@ class EngineMeasurements(RealizedGate):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements", "ema", "measurement_key"]
+__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
+           "ema", "measurement_key"]
