@@ -97,14 +97,17 @@ def main() -> None:
     train, train_turns = response_counts(args.train)
     heldout, heldout_turns = response_counts(args.heldout)
     ranked = [t for t, _ in train.most_common()]
-    print(f"training responses: {train_turns} turns, {sum(train.values())} tokens, {len(train)} distinct; "
+    print(f"training responses: {train_turns} turns, {sum(train.values())} tokens, {len(train)} distinct "
+          f"(the vocabulary past those is filled in id order); "
           f"held-out: {heldout_turns} turns, {sum(heldout.values())} tokens")
 
     rows = []
     generator = torch.Generator().manual_seed(0)
     for k in sorted(set(args.sizes) | {vocab_size}):
         k = min(k, vocab_size)
+        # past the tokens the training responses use, the rest of the vocabulary in id order (as the trainer pads)
         vocab = set(ranked[:k])
+        vocab.update(t for t in range(vocab_size) if len(vocab) < k and t not in train)
         weight = torch.randn(k, hidden, generator=generator).to(dtype)
         markov = torch.randn(k, rank, generator=generator).to(dtype)
         timing = {}
@@ -123,7 +126,7 @@ def main() -> None:
               f"{100 * row['heldout_coverage']:6.2f}%  output+markov per block: "
               f"{timing[1]['output_ms'] + timing[1]['markov_ms']:6.2f} ms (1 request), "
               f"{timing[16]['output_ms'] + timing[16]['markov_ms']:6.2f} ms (16)  markov params {k * rank:,}")
-    report = {"train": args.train, "heldout": args.heldout, "train_turns": train_turns,
+    report = {"train": args.train, "heldout": args.heldout, "train_turns": train_turns, "train_distinct": len(train),
               "heldout_turns": heldout_turns, "dtype": args.dtype, "threads": args.threads, "block_size": block,
               "markov_rank": rank, "sizes": rows}
     if shipped is not None:

@@ -592,7 +592,8 @@ class DSparkEngine:
             ends with nothing verified doubles the wait, up to ``max_probe_interval``.
         cost_aware: under the scheduler, skip drafting in a step when the drafts its requests' previous confidences
             predict would not pay for the drafter's forward (measured as the engine runs): the expected
-            ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``.
+            ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``, each scaled by what the
+            steps this model decided delivered against its prediction for them (``EngineMeasurements.model_factor``).
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
             per batch size R, tokens emitted per second over recent whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
