@@ -410,7 +410,7 @@ def test_joining_requests_start_from_the_confidence_prior(tiny_targets, trained_
         engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
                               probe_interval=probe, confidence_prior=prior is not None)
         if isinstance(prior, float):
-            engine._confidence_sum, engine._confidence_count = torch.full((g,), prior), 1
+            engine.measurements.record_confidences([prior] * g, 1)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
         engine.run()
         runs[name] = engine.stats.drafting
@@ -418,6 +418,42 @@ def test_joining_requests_start_from_the_confidence_prior(tiny_targets, trained_
             assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 10)
     assert runs["off"][0] == runs["none"][0] == runs["ones"][0] == 2
     assert runs["zeros"][:probe + 1] == [0] * probe + [2]
+
+
+def test_the_confidence_prior_carries_over_to_a_new_engine(tiny_targets, trained_drafters, tmp_path):
+    """The mean confidences of every draft live in the ``EngineMeasurements``: an engine sharing them (or loading them
+    from a file) starts its first requests from that prior instead of drafting each one to find out. Files written
+    before the prior load without one; a prior of another block size is refused."""
+    from hf_dspark.engine import EngineMeasurements
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    g, probe = drafter.config.block_size, 3
+    prompts = in_distribution_prompts(target, 2)
+    first = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+                         probe_interval=probe)
+    for p in prompts:
+        first.add_request(p, SamplingParams(max_new_tokens=10))
+    first.run()
+    drafted = sum(first.stats.drafting)
+    assert first.measurements.confidence_count == drafted > 0
+    prior = first.measurements.confidence_prior()
+    assert len(prior) == g and all(0.0 <= v <= 1.0 for v in prior)
+    path = first.measurements.save(tmp_path / "m.json")
+    loaded = EngineMeasurements.load(path)
+    assert loaded.confidence_prior() == pytest.approx(prior) and loaded.confidence_count == drafted
+    loaded.confidence_sum, loaded.confidence_count = [0.0] * g, 1  # a prior predicting nothing: wait for a probe
+    second = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+                          probe_interval=probe, measurements=loaded)
+    ids = [second.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    second.run()
+    assert second.stats.drafting[:probe] == [0] * probe
+    for request_id, p in zip(ids, prompts):
+        assert second.outputs[request_id].token_ids == plain_greedy(target, p, 10)
+    old = first.measurements.to_dict()
+    del old["confidence_prior"]
+    assert EngineMeasurements.from_dict(old).confidence_prior() is None
+    with pytest.raises(ValueError, match="positions"):
+        loaded.record_confidences([0.5] * (g + 1), 1)
 
 
 def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_drafters):

@@ -622,9 +622,10 @@ class DSparkEngine:
             how many times it was timed (``_sps_table``) (default: True when the engine profiles the target itself,
             ``sps=None``; an SPS passed in is used as given unless this is True).
         confidence_prior: under the scheduler, a joining request starts from the mean confidences of every draft so
-            far (when there are any) instead of drafting at once: it drafts when those predict a budget (and the
-            cost gate agrees), else it first probes after ``probe_interval`` steps. Short requests do not pay a
-            drafter forward each just to learn what the others already show.
+            far (when there are any; kept in ``measurements``, so an engine sharing them starts from what earlier
+            engines drafted) instead of drafting at once: it drafts when those predict a budget (and the cost gate
+            agrees), else it first probes after ``probe_interval`` steps. Short requests do not pay a drafter
+            forward each just to learn what the others already show.
         confidence_smoothing: under the scheduler, a request's skip decisions use a moving average of its drafts'
             confidences (starting from the prior when there is one), the newest weighted by this; 1 uses its last
             draft alone (see ``PrefixSchedulerPolicy``).
@@ -700,10 +701,6 @@ class DSparkEngine:
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
                            if online_correction and method == "scheduled" else None)
-        # Running sum / count of the confidences of every draft so far: a joining request starts from this prior
-        # instead of probing at once (a probe costs a drafter forward that short requests never earn back).
-        self._confidence_sum: torch.Tensor | None = None
-        self._confidence_count = 0
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
@@ -860,9 +857,9 @@ class DSparkEngine:
         self.stats.verify_tokens.append(sum(lengths))
         self.stats.widths.append(1 + max(lengths))
         if drafts is not None and drafts.confidences is not None:
-            total = drafts.confidences.detach().float().sum(dim=0).cpu()
-            self._confidence_sum = total if self._confidence_sum is None else self._confidence_sum + total
-            self._confidence_count += len(drafts.rows)
+            # the mean of every draft's confidences so far is where a joining request starts (``confidence_prior``)
+            self.measurements.record_confidences(drafts.confidences.detach().float().sum(dim=0).cpu().tolist(),
+                                                 len(drafts.rows))
         if self.correction is not None and drafts is not None and drafts.confidences is not None:
             index = torch.tensor(drafts.rows)  # raw survivals: the factors map the drafter's own to the observed
             self.correction.observe(capped_confidences(drafts.confidences.cpu(), torch.tensor(caps)[index]),
@@ -897,8 +894,8 @@ class DSparkEngine:
             joining.append(self._waiting.popleft())
         if not joining:
             return []
-        if self.method == "scheduled" and self.confidence_prior and self._confidence_count:
-            prior = (self._confidence_sum / self._confidence_count).tolist()
+        prior = self.measurements.confidence_prior() if self.method == "scheduled" and self.confidence_prior else None
+        if prior is not None:
             for request in joining:  # judged by the drafts seen so far until its own first draft
                 request.last_confidences = request.smoothed_confidences = prior
         started = time.perf_counter()

@@ -58,6 +58,9 @@ class EngineMeasurements(RealizedGate):
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
       machine) moves it by a thirty-second, not by the 30% a moving average would.
 
+    - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
+      mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new
+      engine sharing these measurements does not draft every first request just to learn what earlier ones showed;
     - ``model_checks[(bucket, drafted)]``: for the last ``MODEL_WINDOW`` steps whose drafting decision the engine's
       cost model made, at a power-of-two bucket of batch sizes: ``(predicted tokens, modeled seconds, emitted
       tokens, seconds)``; ``model_factor`` is what they delivered over what the model predicted (in memory only).
@@ -73,6 +76,8 @@ class EngineMeasurements(RealizedGate):
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
+        self.confidence_sum: list[float] | None = None
+        self.confidence_count = 0
         self.version = 0
 
     # -- recording -----------------------------------------------------------------------------------------------
@@ -86,6 +91,20 @@ class EngineMeasurements(RealizedGate):
         self.verify_cost[key] = statistics.median(window)
         self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
+
+    def record_confidences(self, total: list[float], count: int) -> None:
+        """Add ``count`` drafts whose per-position confidences sum to ``total``."""
+        if self.confidence_sum is not None and len(total) != len(self.confidence_sum):
+            raise ValueError(f"confidences of {len(total)} positions, the measurements hold {len(self.confidence_sum)}")
+        self.confidence_sum = (list(map(float, total)) if self.confidence_sum is None
+                               else [a + float(b) for a, b in zip(self.confidence_sum, total)])
+        self.confidence_count += int(count)
+
+    def confidence_prior(self) -> list[float] | None:
+        """The mean per-position confidences of every draft measured, or None before the first."""
+        if not self.confidence_count or self.confidence_sum is None:
+            return None
+        return [v / self.confidence_count for v in self.confidence_sum]
 
     def record_model_check(self, bucket: int, drafted: bool, predicted_tokens: float, modeled_seconds: float,
                            emitted: int, seconds: float) -> None:
@@ -141,6 +160,7 @@ class EngineMeasurements(RealizedGate):
                             for (rows, width), seconds in sorted(self.verify_cost.items())],
             "realized": [[rows, drafted, [list(step) for step in window]]
                          for (rows, drafted), window in sorted(self.realized.items())],
+            "confidence_prior": [self.confidence_count, self.confidence_sum],
         }
 
     @classmethod
@@ -161,6 +181,10 @@ class EngineMeasurements(RealizedGate):
             out._verify_window[key] = deque([out.verify_cost[key]] * out.timings(*key), maxlen=VERIFY_WINDOW)
         out.realized = {(int(r), bool(d)): deque(((float(e), float(s)) for e, s in steps), maxlen=REALIZED_WINDOW)
                         for r, d, steps in data["realized"]}
+        if data.get("confidence_prior") is not None:  # files before it carry none
+            count, sums = data["confidence_prior"]
+            if sums is not None:
+                out.record_confidences(sums, count)
         out.version = 1 if out.verify_cost else 0
         return out
 
