@@ -5,8 +5,10 @@ token outside them can never be drafted, so the share of response tokens the K c
 acceptance. In exchange the drafter's output layer (and the Markov head's rank-r map onto the vocabulary) shrinks from
 the target's 49,152 rows to K. For each K this measures:
 
-- coverage: the share of response tokens among the K most frequent in the training responses, on those training
-  responses and on held-out responses of the same recipe that the drafter never trained on;
+- coverage: the share of response tokens in the vocabulary the trainer would choose from the training responses
+  (``--draft-vocab-size K``: the target's special tokens, then the K most frequent response tokens of the training
+  sequences as it loads them), on those responses and on held-out responses of the same recipe that the drafter never
+  trained on;
 - cost: the wall time of the drafter's output projection (hidden -> K logits) and of the Markov head's
   rank-r -> K projection for one block of g positions, at 1 and at 16 drafting requests, in the drafter's dtype;
 - size: the parameters those two K-wide maps would hold (the output rows are the target's LM head, shared, not
@@ -24,7 +26,6 @@ import json
 import os
 import statistics
 import time
-from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,28 +35,6 @@ import torch  # noqa: E402
 DEFAULT_TRAIN = ["data/regen-smollm2", "data/regen-smollm2-b"]
 DEFAULT_HELDOUT = ["data/regen-smollm2-heldout", "data/regen-smollm2-c"]
 SIZES = [1024, 2048, 4096, 8192, 16384, 32768]
-
-
-def response_counts(folders: list[str]) -> tuple[Counter, int]:
-    """Token counts over every ``response_ids`` in the folders' ``shard-*.jsonl`` files, and the number of turns."""
-    counts: Counter = Counter()
-    turns = 0
-    for folder in folders:
-        shards = sorted(Path(folder).glob("shard-*.jsonl"))
-        if not shards:
-            raise FileNotFoundError(f"no shard-*.jsonl in {folder}")
-        for shard in shards:
-            with open(shard) as f:
-                for line in f:
-                    if line.strip():
-                        counts.update(json.loads(line)["response_ids"])
-                        turns += 1
-    return counts, turns
-
-
-def coverage(vocab: set[int], counts: Counter) -> float:
-    total = sum(counts.values())
-    return sum(n for t, n in counts.items() if t in vocab) / total if total else 0.0
 
 
 def seconds_per_call(fn, repeats: int) -> float:
@@ -85,7 +64,12 @@ def main() -> None:
         raise ValueError(f"--sizes must be positive, got {args.sizes}")
     torch.set_num_threads(args.threads)
 
+    from transformers import GenerationConfig
+
     from hf_dspark import DSparkDrafter
+    from hf_dspark.target import smollm2_folder
+    from hf_dspark.training.trainer import (TrainingArguments, list_shards, load_sequences, response_token_counts,
+                                            special_token_ids, token_coverage, top_tokens)
 
     drafter = DSparkDrafter.from_pretrained(args.drafter)
     config = drafter.config
@@ -94,20 +78,20 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     shipped = None if drafter.draft_vocab is None else set(drafter.draft_vocab.tolist())
 
-    train, train_turns = response_counts(args.train)
-    heldout, heldout_turns = response_counts(args.heldout)
-    ranked = [t for t, _ in train.most_common()]
-    print(f"training responses: {train_turns} turns, {sum(train.values())} tokens, {len(train)} distinct "
+    max_length = TrainingArguments.__dataclass_fields__["max_length"].default  # the trainer's truncation
+    train_sequences = load_sequences(list_shards(args.train), max_length)
+    heldout_sequences = load_sequences(list_shards(args.heldout), max_length)
+    train, heldout = response_token_counts(train_sequences), response_token_counts(heldout_sequences)
+    always = special_token_ids(GenerationConfig.from_pretrained(smollm2_folder()))
+    print(f"training responses: {len(train_sequences)} turns, {sum(train.values())} tokens, {len(train)} distinct "
           f"(the vocabulary past those is filled in id order); "
-          f"held-out: {heldout_turns} turns, {sum(heldout.values())} tokens")
+          f"held-out: {len(heldout_sequences)} turns, {sum(heldout.values())} tokens")
 
     rows = []
     generator = torch.Generator().manual_seed(0)
     for k in sorted(set(args.sizes) | {vocab_size}):
         k = min(k, vocab_size)
-        # past the tokens the training responses use, the rest of the vocabulary in id order (as the trainer pads)
-        vocab = set(ranked[:k])
-        vocab.update(t for t in range(vocab_size) if len(vocab) < k and t not in train)
+        vocab = top_tokens(train, k, always)
         weight = torch.randn(k, hidden, generator=generator).to(dtype)
         markov = torch.randn(k, rank, generator=generator).to(dtype)
         timing = {}
@@ -119,19 +103,20 @@ def main() -> None:
                     "output_ms": 1000 * seconds_per_call(lambda: x @ weight.T, args.repeats),
                     "markov_ms": 1000 * seconds_per_call(lambda: z @ markov.T, args.repeats),
                 }
-        row = {"size": k, "train_coverage": coverage(vocab, train), "heldout_coverage": coverage(vocab, heldout),
+        row = {"size": k, "train_coverage": token_coverage(vocab, train),
+               "heldout_coverage": token_coverage(vocab, heldout),
                "output_params": k * hidden, "markov_params": k * rank, "timing": timing}
         rows.append(row)
         print(f"K={k:6d}  coverage train {100 * row['train_coverage']:6.2f}%  held-out "
               f"{100 * row['heldout_coverage']:6.2f}%  output+markov per block: "
               f"{timing[1]['output_ms'] + timing[1]['markov_ms']:6.2f} ms (1 request), "
               f"{timing[16]['output_ms'] + timing[16]['markov_ms']:6.2f} ms (16)  markov params {k * rank:,}")
-    report = {"train": args.train, "heldout": args.heldout, "train_turns": train_turns, "train_distinct": len(train),
-              "heldout_turns": heldout_turns, "dtype": args.dtype, "threads": args.threads, "block_size": block,
+    report = {"train": args.train, "heldout": args.heldout, "train_turns": len(train_sequences),
+              "train_distinct": len(train), "heldout_turns": len(heldout_sequences), "max_length": max_length, "dtype": args.dtype, "threads": args.threads, "block_size": block,
               "markov_rank": rank, "sizes": rows}
     if shipped is not None:
-        report["shipped"] = {"size": len(shipped), "train_coverage": coverage(shipped, train),
-                             "heldout_coverage": coverage(shipped, heldout)}
+        report["shipped"] = {"size": len(shipped), "train_coverage": token_coverage(shipped, train),
+                             "heldout_coverage": token_coverage(shipped, heldout)}
         print(f"shipped draft vocabulary ({len(shipped)} tokens): coverage train "
               f"{100 * report['shipped']['train_coverage']:.2f}%, held-out "
               f"{100 * report['shipped']['heldout_coverage']:.2f}%")

@@ -803,6 +803,9 @@ class DSparkEngine:
             drafts = self._draft(drafting)
             self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
         lengths = self._verification_lengths(caps, drafts, capacity)
+        checked = self.method == "scheduled" and self.cost_aware  # the cost model's prediction is checked below
+        # a plain step's model price, from the table the decision used (the verify below reprices it)
+        plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
@@ -871,13 +874,10 @@ class DSparkEngine:
         seconds = time.perf_counter() - t0
         if self.realized_gate:  # what the whole step delivered
             self.measurements.record_step(len(rows), bool(drafting), emitted, seconds)
-        if self.method == "scheduled" and self.cost_aware:  # the cost model's prediction against the step
-            if drafting and self._prediction is not None:
-                self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
-            elif not drafting:
-                price = float(self._sps_table(len(rows))[len(rows)])
-                self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), 1.0 / price, emitted,
-                                                     seconds)
+        if checked and drafting and self._prediction is not None:
+            self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
+        elif plain_seconds is not None:
+            self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
 
     def _realized_allows_drafting(self, num_requests: int) -> bool:

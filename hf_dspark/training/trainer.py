@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,14 +162,17 @@ def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]
     return kept
 
 
-def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
-    """The ``size`` most frequent response tokens (plus ``always``, e.g. EOS), and the fraction of response
-    tokens they cover."""
-    from collections import Counter
-
+def response_token_counts(sequences: list[dict]) -> Counter:
+    """How often each token occurs at the supervised (response) positions of ``sequences``."""
     counts: Counter = Counter()
     for seq in sequences:
         counts.update(t for t, m in zip(seq["input_ids"], seq["loss_mask"]) if m)
+    return counts
+
+
+def top_tokens(counts: Counter, size: int, always: list[int] = ()) -> list[int]:
+    """``always`` (e.g. EOS), then the most frequent tokens of ``counts``, up to ``size`` ids (sorted); fewer
+    distinct tokens than that are padded with the lowest unused ids."""
     chosen = list(dict.fromkeys([int(t) for t in always]))
     for token, _ in counts.most_common():
         if len(chosen) >= size:
@@ -180,9 +184,31 @@ def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) ->
         if filler not in chosen:
             chosen.append(filler)
         filler += 1
+    return sorted(chosen[:size])
+
+
+def token_coverage(vocab, counts: Counter) -> float:
+    """The share of the tokens counted in ``counts`` that ``vocab`` holds."""
+    vocab = set(vocab)
     total = sum(counts.values())
-    covered = sum(counts[t] for t in chosen)
-    return torch.tensor(sorted(chosen[:size])), covered / total if total else 0.0
+    return sum(n for t, n in counts.items() if t in vocab) / total if total else 0.0
+
+
+def special_token_ids(generation_config) -> list[int]:
+    """The EOS, BOS and pad ids of a generation config (each may be a list or unset)."""
+    ids = []
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        value = getattr(generation_config, key, None)
+        ids += value if isinstance(value, list) else ([value] if value is not None else [])
+    return ids
+
+
+def frequent_tokens(sequences: list[dict], size: int, always: list[int] = ()) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent response tokens (plus ``always``, e.g. EOS), and the fraction of response
+    tokens they cover."""
+    counts = response_token_counts(sequences)
+    chosen = top_tokens(counts, size, always)
+    return torch.tensor(chosen), token_coverage(chosen, counts)
 
 
 def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -356,11 +382,7 @@ class DSparkTrainer:
         return not modules or any(m == "confidence_head" or m.startswith("confidence_head.") for m in modules)
 
     def _special_ids(self) -> list[int]:
-        ids = []
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            value = getattr(self.target.generation_config, key, None)
-            ids += value if isinstance(value, list) else ([value] if value is not None else [])
-        return ids
+        return special_token_ids(self.target.generation_config)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
