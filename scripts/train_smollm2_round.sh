@@ -5,7 +5,9 @@
 # step is resumable: re-run the script (same ROUND) after an interruption.
 #   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns; the shipped drafters).
 #   ROUND=v4: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md).
-# MP=bf16 trains under bfloat16 autocast (accelerate mixed precision).
+# MP=bf16 trains under bfloat16 autocast (accelerate mixed precision). TARGET_DTYPE=bfloat16 computes the target
+# features in bfloat16 (1.6x faster on a CPU with bfloat16 arithmetic; 0.6% relative difference from float32 in the
+# tapped hidden states, 1.8% in the last one); the default is float32.
 #
 # A data folder may still be growing while its regeneration runs (commands in data/README.md); training pins the
 # shards finished when it starts. Afterwards (scripts/finish_smollm2_round.sh, same ROUND), as for the shipped
@@ -33,7 +35,8 @@ COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size
 
 # 1. target features of every finished shard of both folders (one features folder: files are named by digest)
 for ((w = 0; w < WORKERS; w++)); do
-    $HF features --data "${DATA[@]}" --output "$FEATURES" --threads 1 --num-workers "$WORKERS" --worker-index "$w" &
+    $HF features --data "${DATA[@]}" --output "$FEATURES" --threads 1 --target-dtype "${TARGET_DTYPE:-float32}" \
+        --num-workers "$WORKERS" --worker-index "$w" &
 done
 wait
 # 2. both drafters continue from the shipped ones, same data / steps / schedule

@@ -6,6 +6,8 @@ sampled outputs must follow the exactly enumerated target distribution per reque
 parameters per request in the same batch.
 """
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -827,6 +829,17 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
                 assert row["vs_plain"]["paired"] == pytest.approx([a / b for a, b in zip(row["runs_tokens_per_s"],
                                                                                          plain_runs)])
                 assert row["vs_plain"]["best"] == pytest.approx(row["tokens_per_s"] / max(plain_runs))
+                logs = [math.log(r) for r in row["vs_plain"]["paired"]]
+                assert row["vs_plain"]["paired_se_factor"] == pytest.approx(
+                    math.exp(abs(logs[0] - logs[1]) / 2))  # two repeats: s.d. |a - b| / sqrt 2, over sqrt 2
+            # scheduled methods against each fixed-length method (run k of each in the same repeat); no others
+            for fixed in ("fixed", "fixed=2"):
+                if method.startswith("scheduled"):
+                    fixed_runs = report["results"][fixed][concurrency]["runs_tokens_per_s"]
+                    assert row[f"vs_{fixed}"]["paired"] == pytest.approx(
+                        [a / b for a, b in zip(row["runs_tokens_per_s"], fixed_runs)])
+                else:
+                    assert f"vs_{fixed}" not in row
             assert max(1, int(concurrency) - 1) <= row["mean_active_requests"] <= int(concurrency)
     assert report["results"]["plain"]["3"]["mean_verify_tokens_per_step"] == 0
     assert report["results"]["fixed"]["3"]["mean_verify_tokens_per_step"] > 3
@@ -847,6 +860,11 @@ def test_against_baseline():
     assert ratios["best"] == pytest.approx(1.0) and ratios["mean"] == pytest.approx(31 / 30)
     assert ratios["paired"] == pytest.approx([1.0, 1.5, 0.75])
     assert ratios["paired_geomean"] == pytest.approx((1.0 * 1.5 * 0.75) ** (1 / 3))
+    logs = [0.0, math.log(1.5), math.log(0.75)]
+    mean = sum(logs) / 3
+    sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / 2)
+    assert ratios["paired_se_factor"] == pytest.approx(math.exp(sd / math.sqrt(3)))
+    assert against_baseline([10.0], [8.0])["paired_se_factor"] is None  # one repeat: no spread to judge
     with pytest.raises(ValueError, match="same number of runs"):
         against_baseline([1.0], [1.0, 2.0])
 

@@ -11,6 +11,7 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -146,14 +147,25 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
 def against_baseline(runs: list[float], baseline_runs: list[float]) -> dict:
     """A method's tokens/s runs against the baseline's from the same round-robin repeats: ratio of the fastest runs,
     of the means, and per repeat (run k of each ran back to back, so a drift of a shared machine hits both alike),
-    with the geometric mean of those paired ratios. One lucky run moves the first; the last two average it out."""
+    with the geometric mean of those paired ratios and its standard error (``paired_se_factor``: exp of the standard
+    error of the mean log ratio, so the geometric mean is known to about x/÷ that factor; None with one repeat). One
+    lucky run moves the first; the last two average it out."""
     if len(runs) != len(baseline_runs) or not runs:
         raise ValueError(f"need the same number of runs on both sides, got {len(runs)} and {len(baseline_runs)}")
     paired = [a / b for a, b in zip(runs, baseline_runs)]
+    logs = [math.log(r) for r in paired]
+    se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else None
     return {"best": max(runs) / max(baseline_runs),
             "mean": statistics.fmean(runs) / statistics.fmean(baseline_runs),
             "paired": paired,
-            "paired_geomean": statistics.geometric_mean(paired)}
+            "paired_geomean": statistics.geometric_mean(paired),
+            "paired_se_factor": None if se is None else math.exp(se)}
+
+
+def _format_ratios(ratios: dict) -> str:
+    se = "" if ratios["paired_se_factor"] is None else f", s.e. x/÷{ratios['paired_se_factor']:.3f}"
+    return (f"best {ratios['best']:.3f}x, mean {ratios['mean']:.3f}x, paired {ratios['paired_geomean']:.3f}x "
+            f"({min(ratios['paired']):.3f}-{max(ratios['paired']):.3f}{se})")
 
 
 def _sync(model) -> None:
@@ -173,7 +185,8 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
     shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
     drift. With ``plain`` among the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
-    the fastest runs, of the means, and of each repeat's back-to-back runs.
+    the fastest runs, of the means, and of each repeat's back-to-back runs (their geometric mean, with its standard
+    error); every scheduled method also gets ``vs_<name>`` against each fixed-length method ``name``.
 
     ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
     (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
@@ -235,14 +248,17 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
             results[name][str(concurrency)] = summary
             results[name][str(concurrency)]["_tokens"] = tokens
         baseline = next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
+        fixed = [name for name, spec in specs.items() if spec["method"] == "fixed"]
         for name in methods:
-            if baseline is not None and name != baseline:
-                ratios = against_baseline(results[name][str(concurrency)]["runs_tokens_per_s"],
-                                          results[baseline][str(concurrency)]["runs_tokens_per_s"])
-                results[name][str(concurrency)]["vs_plain"] = ratios
-                log(f"c={concurrency:<4d} {name:20s} vs {baseline}: best {ratios['best']:.3f}x, mean "
-                    f"{ratios['mean']:.3f}x, paired {ratios['paired_geomean']:.3f}x "
-                    f"({min(ratios['paired']):.3f}-{max(ratios['paired']):.3f})")
+            row = results[name][str(concurrency)]
+            # every method against plain; scheduled ones also against each fixed-length one (the issue's (c) vs (b))
+            others = ([baseline] if baseline is not None and name != baseline else []) + (
+                fixed if specs[name]["method"] == "scheduled" else [])
+            for other in others:
+                ratios = against_baseline(row["runs_tokens_per_s"],
+                                          results[other][str(concurrency)]["runs_tokens_per_s"])
+                row[f"vs_{other}"] = ratios
+                log(f"c={concurrency:<4d} {name:20s} vs {other}: {_format_ratios(ratios)}")
             tokens = results[name][str(concurrency)].pop("_tokens")
             if reference is not None:
                 same = sum(a == b for a, b in zip(tokens, reference))
