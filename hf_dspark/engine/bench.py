@@ -251,7 +251,7 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         fixed = [name for name, spec in specs.items() if spec["method"] == "fixed"]
         for name in methods:
             row = results[name][str(concurrency)]
-            # every method against plain; scheduled ones also against each fixed-length one (the (c) vs (b))
+            # every method against plain; scheduled ones also against each fixed-length one
             others = ([baseline] if baseline is not None and name != baseline else []) + (
                 fixed if specs[name]["method"] == "scheduled" else [])
             for other in others:
