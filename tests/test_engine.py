@@ -244,6 +244,17 @@ def test_greedy_equality_mixed_lengths(tiny_targets, trained_drafters, family, m
         assert out.finish_reason == "length" and len(out.token_ids) == m
     summary = result.stats.summary()
     assert max(result.stats.active) == 5  # joins: 8 requests through 5 slots
+    # the per-batch-size breakdown accounts for every step, its drafting, tokens and seconds
+    by_rows = summary["by_active_requests"]
+    assert set(by_rows) == set(result.stats.active)
+    sides = [side for entry in by_rows.values() for side in entry.values()]
+    assert sum(side["steps"] for side in sides) == result.stats.steps
+    assert sum(entry["drafting"]["steps"] for entry in by_rows.values()) == sum(
+        1 for d in result.stats.drafting if d)
+    assert sum(side["emitted"] for side in sides) == sum(result.stats.emitted)
+    assert sum(side["verify_tokens"] for side in sides) == sum(result.stats.verify_tokens)
+    assert sum(side["seconds"] for side in sides) == pytest.approx(sum(result.stats.seconds))
+    assert all(entry["plain"]["verify_tokens"] == 0 for entry in by_rows.values())
     if method == "plain":
         assert summary["mean_verify_tokens_per_step"] == 0
     else:
@@ -560,6 +571,25 @@ def test_realized_gate_decisions():
         DSparkEngine(target, drafter, method="scheduled", explore_budget=-0.1)
     with pytest.raises(ValueError, match="max_explore_interval"):
         DSparkEngine(target, drafter, method="scheduled", explore_interval=8, max_explore_interval=4)
+
+
+def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
+    """Where the realized gate rules drafting out at a batch size, the step skips the confidences and schedules of
+    the drafting decision (it could only end in "no drafting"); elsewhere the decision runs as before."""
+    target = make_target("llama")
+    engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, explore_budget=0)
+    for drafted, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 4, 0.04)):
+        engine.measurements.record_step(4, drafted, emitted=emitted, seconds=seconds)  # drafting lost at 4 rows
+    assert engine.measurements.drafting_verdict(4, engine.explore_interval, engine.max_explore_interval, 0) == (
+        False, None)
+
+    def decided(*args, **kwargs):
+        raise AssertionError("the drafting decision ran")
+
+    monkeypatch.setattr(engine, "_stale_confidences", decided)
+    assert engine._drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
+    with pytest.raises(AssertionError, match="the drafting decision ran"):
+        engine._drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
 
 
 @pytest.fixture

@@ -343,12 +343,39 @@ def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     assert not slow.drafting_allowed(1, 2, 8, 0) and slow.explore_wait[1] == 4
 
 
+def test_realized_gate_verdict_is_pure():
+    """``drafting_verdict`` says what ``drafting_allowed`` would, in every branch, and changes nothing; only
+    ``drafting_allowed`` starts a re-measurement or resets the wait."""
+    import copy
+
+    def state(gate):
+        return (dict(gate.explore_wait), dict(gate.fresh_rounds), dict(gate.steps_since), dict(gate.plain_seconds))
+
+    gate = RealizedGate()
+    seen, drafting_rounds = set(), 0
+    for _ in range(80):  # an engine at one batch size: drafting loses at first (hard text), then wins (easy text)
+        before = state(gate)
+        verdict = gate.drafting_verdict(1, 2, 8, 0.02)
+        assert state(gate) == before  # asking changes nothing
+        allowed = gate.drafting_allowed(1, 2, 8, 0.02)
+        assert allowed is verdict[0]
+        if verdict[1] == "remeasure":
+            assert gate.fresh_rounds[1] == 0
+        seen.add(verdict)
+        if allowed:
+            drafting_rounds += 1
+            gate.record_step(1, True, 1, 1.0) if drafting_rounds <= 4 else gate.record_step(1, True, 3, 0.1)
+        else:
+            gate.record_step(1, False, 1, 0.1)
+    assert {(True, None), (False, None), (True, "remeasure"), (True, "reset"), (False, "reset")} <= seen
+
+
 def test_realized_gate_spends_an_exploration_budget():
     """A losing drafting side is re-measured once the plain rounds since it last drafted have run long enough that
     the re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is within the
     budget's fraction of their time: soon after a narrow loss, late after a heavy one, and never later than
     ``max_explore_interval`` rounds."""
-    assert EXPLORE_BUDGET == 0.02
+    assert EXPLORE_BUDGET == 0.005
 
     def losing_gate(drafting_rate: float) -> RealizedGate:
         gate = RealizedGate()
@@ -373,14 +400,16 @@ def test_realized_gate_spends_an_exploration_budget():
     assert abs(rounds_until_remeasured(7.0, 0.02) - 100) <= 1
     assert rounds_until_remeasured(7.0, 0.0) == 2
     assert rounds_until_remeasured(4.0, 0.02, max_wait=64) == 64  # max_explore_interval bounds the wait
+    # the default budget: 0.25 s bought after 50 s of plain rounds (400)
+    assert abs(rounds_until_remeasured(7.0, EXPLORE_BUDGET) - 400) <= 1
     # a drafting round resets the plain time: the next budget counts from there
     gate = losing_gate(7.0)
     for _ in range(90):
         gate.record_step(8, False, 1.0, 0.125)
-    assert gate.plain_seconds[8] == pytest.approx(11.25) and not gate.drafting_allowed(8, 2, 1000)
+    assert gate.plain_seconds[8] == pytest.approx(11.25) and not gate.drafting_allowed(8, 2, 1000, 0.02)
     for _ in range(12):
         gate.record_step(8, False, 1.0, 0.125)
-    assert gate.drafting_allowed(8, 2, 1000)
+    assert gate.drafting_allowed(8, 2, 1000, 0.02)
     gate.record_step(8, True, 7.0, 1.0)
     assert gate.plain_seconds[8] == 0.0
     assert RealizedGate().remeasure_loss(8, 8.0) == 0.0  # nothing measured: nothing to lose

@@ -330,8 +330,10 @@ DRAFTING_MARGIN = 1.03
 # A losing drafting side is re-measured only once the plain rounds run since it last drafted are long enough that the
 # re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is at most this fraction
 # of their time: drafting that lost narrowly is re-measured soon, one that lost badly (SmolLM2 at 64 requests: 45%)
-# rarely, so exploring costs at most about this fraction of the time wherever drafting loses.
-EXPLORE_BUDGET = 0.02
+# rarely, so exploring costs at most about this fraction of the time wherever drafting loses. SmolLM2 at 16 requests
+# (bf16, 2 CPU threads), where drafting steps deliver 15-30% less than plain ones: at 2% the warm runs spent 2-7 of
+# their ~110 steps re-measuring drafting, about 1% of their time.
+EXPLORE_BUDGET = 0.005
 
 
 class RealizedGate:
@@ -399,34 +401,44 @@ class RealizedGate:
         sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again. It also takes a
         loss measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
         does not re-learn it at every size. Drafting wins a verdict only by ``DRAFTING_MARGIN``."""
+        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget)
+        if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
+            self.explore_wait[rows] = explore_interval
+        elif action == "remeasure":
+            # Re-measure drafting now, judged on REMEASURE_ROUNDS new rounds alone: the rounds from before the wait
+            # came from other text (a hard stretch that made drafting lose), and one new round added to them could
+            # hardly change the verdict, so a passing bad stretch would keep drafting off for ever longer waits.
+            self.explore_wait[rows] = min(2 * self.explore_wait.get(rows, explore_interval), max_explore_interval)
+            self.fresh_rounds[rows] = 0
+        return allowed
+
+    def drafting_verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
+                         explore_budget: float = EXPLORE_BUDGET) -> tuple[bool, str | None]:
+        """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
+        ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
+        side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
+        drafting decision costs when the gate rules drafting out anyway."""
         drafting = self.realized.get((rows, True))
         if drafting is None or len(drafting) < 2:
-            return not self.drafting_lost_nearby(rows)  # not measured here: free, unless a size it follows lost
+            return not self.drafting_lost_nearby(rows), None  # not measured here: free, unless a size it follows lost
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
-            return True  # a re-measurement under way: its verdict comes from its own rounds
+            return True, None  # a re-measurement under way: its verdict comes from its own rounds
         plain_rate = self.realized_rate(rows, False)
         if plain_rate is None:
             # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
             # plain decoding, while every drafting round run before the verdict may be a loss.
-            return False
+            return False, None
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
-        wait = self.explore_wait.get(rows, explore_interval)
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
-            self.explore_wait[rows] = explore_interval
-            return fresh_plain  # a stale plain side is re-measured too: a slow step there must not stick
+            return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         since = self.steps_since.get((rows, True), 0)
-        if since < wait:
-            return False
+        if since < self.explore_wait.get(rows, explore_interval):
+            return False, None
         if (explore_budget > 0 and since < max_explore_interval
                 and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(rows, plain_rate)):
-            return False  # drafting lost by so much that re-measuring now would spend more than the budget
-        # Re-measure drafting now, judged on REMEASURE_ROUNDS new rounds alone: the rounds from before the wait
-        # came from other text (a hard stretch that made drafting lose), and one new round added to them could
-        # hardly change the verdict, so a passing bad stretch would keep drafting off for ever longer waits.
-        self.explore_wait[rows] = min(2 * wait, max_explore_interval)
-        self.fresh_rounds[rows] = 0
-        return True
+            return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
+        return True, "remeasure"
 
     def remeasure_loss(self, rows: int, plain_rate: float) -> float:
         """Expected seconds a re-measurement of drafting at ``rows`` loses against plain rounds: ``REMEASURE_ROUNDS``
