@@ -519,9 +519,8 @@ class EngineStats:
         }
 
     def by_active_requests(self) -> dict[int, dict]:
-        """Per number of active requests: steps, steps that drafted, draft tokens verified, tokens emitted and
-        seconds of those steps, split into drafting and plain steps (where the scheduler drafted, and what each
-        side delivered there)."""
+        """Per number of active requests, for its drafting steps and its plain steps apart: steps, draft tokens
+        verified, tokens emitted and seconds (where the scheduler drafted, and what each side delivered there)."""
         out: dict[int, dict] = {}
         for rows, drafting, verified, emitted, seconds in zip(self.active, self.drafting, self.verify_tokens,
                                                                self.emitted, self.seconds):
