@@ -638,7 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most requests in the batch at once (one run per value)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk; append ',ungated' "
-                            "(or scheduled=ungated) to turn the realized gate off")
+                            "(or scheduled=ungated) to turn the realized gate off; append ',hold=H' to any method to "
+                            "set the engine's admission_hold (0: admit at once)")
     serve.add_argument("--repeats", type=int, default=1,
                        help="run the methods of each concurrency round-robin N times; keep each method's fastest run")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",

@@ -335,6 +335,38 @@ def test_joins_mid_flight_and_streaming(tiny_targets, trained_drafters, method):
         assert engine.outputs[request_id].token_ids == expected == streamed[request_id]
 
 
+@pytest.mark.parametrize("hold,calls,held", [(0, 3, 0), (0.5, 3, 0), (2, 2, 2)])
+def test_admission_hold_lets_joiners_share_a_prefill(tiny_targets, hold, calls, held):
+    """Two slots, four requests. A (3 tokens) leaves after step 2, when B (5 tokens) still has 2 to go. Held, A's slot
+    waits the two steps for B's and C and D share one prefill forward; with too small a budget for B's two steps
+    (0.5 * 2 slots = 1 slot-step), or none, C joins at once and D after B. Outputs never change."""
+    target = tiny_targets["llama"]
+    prompts = [p[0].tolist()[: 3 + i] for i, p in enumerate(random_prompts(4, 8, target.config.vocab_size, seed=3))]
+    max_new = [3, 5, 6, 4]
+    result = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            method="plain", max_concurrency=2, admission_hold=hold)
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m)
+    summary = result.stats.summary()
+    assert (summary["prefill_calls"], summary["held_slot_steps"]) == (calls, held)
+    assert result.stats.active[:5] == ([2, 2, 1, 1, 2] if held else [2, 2, 2, 2, 2])
+
+
+def test_admission_is_not_held_without_a_queue_or_a_row_about_to_finish(tiny_targets):
+    target = tiny_targets["llama"]
+    prompts = [p[0].tolist() for p in random_prompts(4, 6, target.config.vocab_size, seed=4)]
+    # C alone waits for A's slot: it can join now, holding could merge nothing
+    three = generate_batch(target, prompts[:3], None, [SamplingParams(max_new_tokens=m) for m in (3, 5, 4)],
+                           method="plain", max_concurrency=2, admission_hold=8)
+    assert three.stats.held_slot_steps == 0 and three.stats.prefill_calls == 2
+    # B has 20 tokens to go when A leaves, more than the budget's 16 steps: C and D do not wait for it
+    four = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in (3, 23, 4, 4)],
+                          method="plain", max_concurrency=2, admission_hold=8)
+    assert four.stats.held_slot_steps == 0 and four.stats.prefill_calls == 3
+    with pytest.raises(ValueError, match="admission_hold"):
+        DSparkEngine(target, method="plain", admission_hold=-1)
+
+
 def test_scheduler_on_and_off(tiny_targets, trained_drafters):
     """With a flat SPS curve the scheduler admits every draft: exactly the fixed method's verification; with a
     decreasing curve it verifies fewer drafts; outputs are the same either way."""
@@ -854,6 +886,13 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
             assert row["identical_to_plain"] == "5/5" and row["tokens"] == 60 and row["tokens_per_s"] > 0
             assert len(row["runs_tokens_per_s"]) == 2 and row["tokens_per_s"] == max(row["runs_tokens_per_s"])
             assert row["mean_tokens_per_s"] == pytest.approx(sum(row["runs_tokens_per_s"]) / 2)
+            best = row["runs_tokens_per_s"].index(row["tokens_per_s"])
+            assert row["runs_counts"][best]["steps"] == row["steps"]
+            assert row["runs_counts"][best]["prefill_calls"] == row["prefill_calls"] >= 5 // int(concurrency)
+            for counts in row["runs_counts"]:
+                assert 0 <= counts["drafting_steps"] <= counts["steps"]
+                if method == "plain" or method.startswith("fixed"):
+                    assert (counts["drafting_steps"] > 0) == method.startswith("fixed")
             if method != "plain":
                 plain_runs = report["results"]["plain"][concurrency]["runs_tokens_per_s"]
                 assert row["vs_plain"]["paired"] == pytest.approx([a / b for a, b in zip(row["runs_tokens_per_s"],
@@ -1135,7 +1174,12 @@ def test_bench_method_specs():
     assert parse_method("scheduled=ungated") == {"method": "scheduled", "schedule": "padded", "realized_gate": False}
     assert parse_method("scheduled=topk,ungated") == {"method": "scheduled", "schedule": "topk",
                                                       "realized_gate": False}
-    for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy"):
+    assert parse_method("plain,hold=0") == {"method": "plain", "admission_hold": 0.0}
+    assert parse_method("fixed=3,hold=1") == {"method": "fixed", "num_verify_tokens": 3, "admission_hold": 1.0}
+    assert parse_method("scheduled=prefix,ungated,hold=0.25") == {
+        "method": "scheduled", "schedule": "prefix", "realized_gate": False, "admission_hold": 0.25}
+    for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy", "plain,hold=-1", "plain,hold=x",
+                "plain,hold", "plain,ungated", "fixed,ungated"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_method(bad)
 

@@ -25,25 +25,43 @@ from .batching import SCHEDULES, DSparkEngine, SamplingParams
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
     keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
-    the engine's realized gate off, to measure what it brings."""
-    name, _, value = spec.partition("=")
-    if name == "plain" and not value:
-        return {"method": "plain"}
-    if name == "fixed":
+    the engine's realized gate off, to measure what it brings. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
+    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings."""
+    head, *options = spec.split(",")
+    name, _, value = head.partition("=")
+    kwargs: dict = {}
+    rest = []
+    for option in options:
+        key, eq, number = option.partition("=")
+        if key != "hold":
+            rest.append(option)
+            continue
+        try:
+            hold = float(number) if eq else float("nan")
+        except ValueError:
+            hold = float("nan")
+        if not math.isfinite(hold) or hold < 0:
+            raise ValueError(f"method {spec!r}: hold=H needs a number H >= 0")
+        kwargs["admission_hold"] = hold
+    if name == "plain" and not value and not rest:
+        return {"method": "plain", **kwargs}
+    if name == "fixed" and not rest:
         if value and not value.isdigit():
             raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
-        return {"method": "fixed", "num_verify_tokens": int(value) if value else None}
+        return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
     if name == "scheduled":
-        options = [part for part in value.split(",") if part] if value else []
+        options = ([value] if value else []) + rest
         ungated = "ungated" in options
         schedules = [part for part in options if part != "ungated"]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated], SCHEDULE one of {SCHEDULES}")
-        kwargs = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
+            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,hold=H], SCHEDULE one of "
+                             f"{SCHEDULES}")
+        out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         if ungated:
-            kwargs["realized_gate"] = False
-        return kwargs
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated]")
+            out["realized_gate"] = False
+        return {**out, **kwargs}
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated], "
+                     f"each with an optional ,hold=H")
 
 
 def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
@@ -168,6 +186,14 @@ def _format_ratios(ratios: dict) -> str:
             f"({min(ratios['paired']):.3f}-{max(ratios['paired']):.3f}{se})")
 
 
+def _counts(summary: dict) -> dict:
+    """What one run did, machine noise aside: steps (and those where some request drafted), prefill forwards,
+    slot-steps held for joiners, prefill seconds."""
+    drafting = sum(entry["drafting"]["steps"] for entry in summary["by_active_requests"].values())
+    return {"steps": summary["steps"], "drafting_steps": drafting, "prefill_calls": summary["prefill_calls"],
+            "held_slot_steps": summary["held_slot_steps"], "prefill_s": summary["prefill_s"]}
+
+
 def _sync(model) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -184,7 +210,8 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     later) and keeps each method's fastest
     run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
     shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
-    drift. With ``plain`` among the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
+    drift (``runs_counts`` lists what each run did: steps, drafting steps, prefill forwards). With ``plain`` among
+    the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
     the fastest runs, of the means, and of each repeat's back-to-back runs (their geometric mean, with its standard
     error); every scheduled method also gets ``vs_<name>`` against each fixed-length method ``name``.
 
@@ -242,6 +269,7 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         for name, spec in specs.items():
             summary, tokens = max(runs[name], key=lambda run: run[0]["tokens_per_s"])
             summary["runs_tokens_per_s"] = [run[0]["tokens_per_s"] for run in runs[name]]
+            summary["runs_counts"] = [_counts(run[0]) for run in runs[name]]
             summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
             if greedy and spec["method"] == "plain":
                 reference = tokens
