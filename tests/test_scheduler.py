@@ -309,6 +309,36 @@ def test_realized_gate_needs_a_margin_to_draft():
         assert gate.drafting_lost_nearby(2) is not allowed  # a nearby size takes the same verdict
 
 
+def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
+    """Drafting lost at 5 requests (say, a draining batch's last capped drafts). At 4 it is presumed to lose too, but
+    only until the wait and the budget allow a re-measurement at 4 itself; drafting that wins there stays on."""
+    gate = RealizedGate()
+    for _ in range(3):
+        gate.record_step(5, True, 5, 1.0)  # drafting at 5: 5 tokens/s
+    gate.record_step(5, False, 5, 0.5)  # plain at 5: 10 tokens/s
+    assert gate.nearby_loss(4) == 5 and gate.drafting_lost_nearby(4)
+    pattern = []
+    for _ in range(6):
+        allowed = gate.drafting_allowed(4, 4, 64, 0)  # no budget: the wait alone
+        pattern.append(int(allowed))
+        gate.record_step(4, allowed, 4 if not allowed else 12, 0.5)  # at 4: plain 8 tokens/s, drafting 24
+    assert pattern == [0, 0, 0, 0, 1, 1], pattern  # waits 4 rounds, then REMEASURE_ROUNDS drafting rounds
+    assert gate.explore_wait[4] == 8 and gate.realized_rate(4, True) == pytest.approx(24.0)
+    assert gate.nearby_loss(4) == 5  # the neighbour still lost, but 4 has its own verdict now: drafting wins
+    assert gate.drafting_allowed(4, 4, 64, 0) and gate.explore_wait[4] == 4
+    # with a budget, the neighbour's shortfall prices the re-measurement: 2 rounds x 1 s x 50% = 1 s, which 1%
+    # buys after 100 s of plain rounds at this size
+    budgeted = RealizedGate()
+    for _ in range(3):
+        budgeted.record_step(5, True, 5, 1.0)
+    budgeted.record_step(5, False, 5, 0.5)
+    rounds = 0
+    while not budgeted.drafting_allowed(4, 4, 10_000, 0.01):
+        budgeted.record_step(4, False, 4, 0.5)
+        rounds += 1
+    assert rounds == 200 and budgeted.fresh_rounds[4] == 0
+
+
 def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
     rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still

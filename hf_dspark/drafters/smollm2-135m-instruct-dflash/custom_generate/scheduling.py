@@ -400,7 +400,11 @@ class RealizedGate:
         drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
         sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again. It also takes a
         loss measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
-        does not re-learn it at every size. Drafting wins a verdict only by ``DRAFTING_MARGIN``."""
+        does not re-learn it at every size. A size presumed to lose from a neighbour is still measured itself, on
+        the schedule of a loss measured there (the wait, then the budget, priced by the neighbour's shortfall): the
+        neighbour's rounds may have been other work, e.g. the last tokens of a draining batch, whose drafts are
+        capped short, and a load that then settles at this size would otherwise never draft again. Drafting wins a
+        verdict only by ``DRAFTING_MARGIN``."""
         allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget)
         if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
             self.explore_wait[rows] = explore_interval
@@ -419,11 +423,23 @@ class RealizedGate:
         side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
         drafting decision costs when the gate rules drafting out anyway."""
         drafting = self.realized.get((rows, True))
-        if drafting is None or len(drafting) < 2:
-            return not self.drafting_lost_nearby(rows), None  # not measured here: free, unless a size it follows lost
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True, None  # a re-measurement under way: its verdict comes from its own rounds
+        if drafting is None or len(drafting) < 2:
+            loser = self.nearby_loss(rows)
+            if loser is None:
+                return True, None  # not measured here: free, unless a size it follows lost
+            # Presumed to lose here from a size nearby, whose rounds may have been other work (a draining batch's
+            # last tokens, their drafts capped short): measure it here too, on the schedule a loss measured here
+            # would get, the expected loss priced by the nearby size's rounds.
+            since = self.steps_since.get((rows, True), 0)
+            if since < self.explore_wait.get(rows, explore_interval):
+                return False, None
+            if (explore_budget > 0 and since < max_explore_interval and explore_budget * self.plain_seconds.get(
+                    rows, 0.0) < self.remeasure_loss(loser, self.realized_rate(loser, False))):
+                return False, None
+            return True, "remeasure"
         plain_rate = self.realized_rate(rows, False)
         if plain_rate is None:
             # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
@@ -453,15 +469,21 @@ class RealizedGate:
     def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
         largest batch size below ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were
-        measured (drafting at least twice). Below: the budget shrinks as load grows. Above, within a factor of two: a batch draining
-        from a size where drafting lost (requests finishing one by one) would otherwise pay two drafting rounds at
-        every size on the way down to learn the same thing."""
+        measured (drafting at least twice). Below: the budget shrinks as load grows. Above, within a factor of two:
+        a batch draining from a size where drafting lost (requests finishing one by one) would otherwise pay two
+        drafting rounds at every size on the way down to learn the same thing."""
+        return self.nearby_loss(rows) is not None
+
+    def nearby_loss(self, rows: int) -> int | None:
+        """The batch size whose loss ``drafting_lost_nearby`` finds for ``rows`` (the one below first), or None."""
         measured = [r for (r, drafted), window in self.realized.items()
                     if drafted and r != rows and r <= 2 * rows and len(window) >= 2 and self.realized.get((r, False))]
         below = [r for r in measured if r < rows]
         above = [r for r in measured if r > rows]
-        return any(self.drafting_rate(r) < DRAFTING_MARGIN * self.realized_rate(r, False)
-                   for r in ([max(below)] if below else []) + ([min(above)] if above else []))
+        for r in ([max(below)] if below else []) + ([min(above)] if above else []):
+            if self.drafting_rate(r) < DRAFTING_MARGIN * self.realized_rate(r, False):
+                return r
+        return None
 
     def drafting_rate(self, rows: int) -> float | None:
         """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
