@@ -433,13 +433,8 @@ class RealizedGate:
             # Presumed to lose here from a size nearby, whose rounds may have been other work (a draining batch's
             # last tokens, their drafts capped short): measure it here too, on the schedule a loss measured here
             # would get, the expected loss priced by the nearby size's rounds.
-            since = self.steps_since.get((rows, True), 0)
-            if since < self.explore_wait.get(rows, explore_interval):
-                return False, None
-            if (explore_budget > 0 and since < max_explore_interval and explore_budget * self.plain_seconds.get(
-                    rows, 0.0) < self.remeasure_loss(loser, self.realized_rate(loser, False))):
-                return False, None
-            return True, "remeasure"
+            return self._remeasure_verdict(rows, loser, self.realized_rate(loser, False), explore_interval,
+                                           max_explore_interval, explore_budget)
         plain_rate = self.realized_rate(rows, False)
         if plain_rate is None:
             # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
@@ -448,11 +443,19 @@ class RealizedGate:
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
+        return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
+                                       explore_budget)
+
+    def _remeasure_verdict(self, rows: int, priced_by: int, plain_rate: float, explore_interval: int,
+                           max_explore_interval: int, explore_budget: float) -> tuple[bool, str | None]:
+        """Drafting loses at ``rows``: re-measure it once the wait is over and the expected loss (``remeasure_loss``
+        of the rounds at ``priced_by``, against ``plain_rate``) is within ``explore_budget`` of the plain rounds' time
+        since drafting last ran at ``rows`` (or ``max_explore_interval`` rounds have passed)."""
         since = self.steps_since.get((rows, True), 0)
         if since < self.explore_wait.get(rows, explore_interval):
             return False, None
         if (explore_budget > 0 and since < max_explore_interval
-                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(rows, plain_rate)):
+                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(priced_by, plain_rate)):
             return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
         return True, "remeasure"
 
