@@ -63,9 +63,10 @@ from .measurements import EngineMeasurements, measurement_key
 # Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch
 # (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price near that of a decode step, whatever the
 # rows it carries (the weights are read once): SmolLM2-135M, bf16, 2 threads, 64 chat prompts prefilled 16 at a time
-# 7.4-7.9 s, one at a time 10.1-10.5 s, about 45 ms more per forward, where a 16-row decode step takes ~90 ms, or
-# ~6 ms per row. A slot left empty for a step forgoes a row of a step, so a held admission pays for itself while its
-# idle slot-steps stay below about half the batch.
+# 7.4-7.9 s, one at a time 10.1-10.5 s (scripts/engine_prefill_batching.py), about 45 ms more per forward, where a
+# 16-row decode step takes ~90 ms, or ~6 ms per row. A slot left empty for a step forgoes a row of a step, so a held
+# admission pays for itself while its idle slot-steps stay below about half the batch.
+# A later warm rerun read the opposite (15.5 s grouped, 11.6 s singly): the price is not settled (README).
 ADMISSION_HOLD = 0.5
 
 METHODS = ("plain", "fixed", "scheduled")
