@@ -736,6 +736,10 @@ def test_bad_requests_raise(tiny_targets):
         DSparkEngine(target, make_drafter(target, confidence=False), method="scheduled")
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        DSparkEngine(target, method="plain", max_prefill_tokens=0)
+    with pytest.raises(ValueError, match="prefill_cost must be a PrefillCost"):
+        DSparkEngine(target, method="plain", prefill_cost=(56, 1800))
     engine = DSparkEngine(target)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([])
@@ -1114,24 +1118,52 @@ def test_online_survival_correction():
     assert corr.factors().tolist() == pytest.approx([f1, 4 * f1 / 5, 4 * f1 / 5])
 
 
-def test_prefill_chunks_bound_padding():
-    """Joining prompts are prefilled in length-sorted groups: within the padded-token cap, and a group holding
-    enough real tokens closes before padding would exceed a quarter of it."""
-    from hf_dspark.engine.batching import _chunks, _Request
+def test_prefill_groups_are_the_cheapest_split_of_the_sorted_prompts():
+    """Joining prompts (sorted by length) are split into prefill forwards by ``PrefillCost``: the split is the
+    cheapest of all splits into consecutive groups within the padded-token cap (checked by enumerating them), a
+    forward's fixed price groups equal prompts, padding splits mixed lengths, and the cap is kept."""
+    import itertools
+
+    from hf_dspark.engine import PrefillCost
+    from hf_dspark.engine.batching import _prefill_groups, _Request
 
     def requests(lengths):
         return [_Request(str(i), [1] * n, SamplingParams(), frozenset(), None, 0.0) for i, n in enumerate(lengths)]
 
-    lengths = sorted([20, 25, 30, 40, 60, 90, 120, 200, 210, 211] * 6)
-    chunks = [[len(r.prompt_ids) for r in c] for c in _chunks(requests(lengths), 16384, min_tokens=512)]
-    assert [n for c in chunks for n in c] == lengths  # every prompt once, in order
-    for c in chunks:
-        padded, real = max(c) * len(c), sum(c)
-        assert padded <= 16384
-        assert padded - real <= 0.25 * padded or real - c[-1] < 512  # closed as soon as it held enough tokens
-    assert sum(max(c) * len(c) for c in chunks) < 1.3 * sum(lengths)  # one batch would pad to 2.4x
-    assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([50] * 10), 16384)] == [[50] * 10]
-    assert [[len(r.prompt_ids) for r in c] for c in _chunks(requests([100, 100, 300]), 250)] == [[100, 100], [300]]
+    def split(lengths, max_tokens=16384, cost=PrefillCost()):
+        return [[len(r.prompt_ids) for r in g] for g in _prefill_groups(requests(lengths), max_tokens, cost)]
+
+    def price(groups, cost):
+        return sum(cost(len(g), max(g)) for g in groups)
+
+    cost = PrefillCost(fixed_tokens=56, attention_width=1800)
+    lengths = sorted([20, 25, 30, 40, 60, 90, 120, 200, 210, 211, 290, 36])
+    best = split(lengths, 1000, cost)
+    assert [n for g in best for n in g] == lengths  # every prompt once, in order
+    assert all(len(g) == 1 or len(g) * max(g) <= 1000 for g in best)
+    candidates = []
+    for cuts in itertools.product([False, True], repeat=len(lengths) - 1):
+        groups, current = [], [lengths[0]]
+        for n, cut in zip(lengths[1:], cuts):
+            if cut:
+                groups.append(current)
+                current = []
+            current.append(n)
+        groups.append(current)
+        if all(len(g) == 1 or len(g) * max(g) <= 1000 for g in groups):
+            candidates.append(price(groups, cost))
+    assert price(best, cost) == pytest.approx(min(candidates))
+    assert 1 < len(best) < len(lengths)  # neither one padded batch nor one forward per prompt here
+
+    assert split([50] * 10) == [[50] * 10]  # no padding: one forward
+    assert split([100, 100, 300], 250) == [[100, 100], [300]]  # the cap
+    assert split([10, 400], cost=PrefillCost(fixed_tokens=0)) == [[10], [400]]  # nothing to save: no padding
+    assert split([10, 400], cost=PrefillCost(fixed_tokens=1e6)) == [[10, 400]]  # forwards dearer than padding
+    assert split([]) == []
+    with pytest.raises(ValueError, match="fixed_tokens"):
+        PrefillCost(fixed_tokens=-1)
+    with pytest.raises(ValueError, match="attention_width"):
+        PrefillCost(attention_width=0)
 
 
 def test_leaving_rows_are_filled_from_the_tail():

@@ -6,6 +6,7 @@ from .batching import (
     DeferredDrafterContext,
     DSparkEngine,
     EngineStats,
+    PrefillCost,
     RaggedBatchCache,
     RequestOutput,
     SamplingParams,

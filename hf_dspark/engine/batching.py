@@ -61,12 +61,10 @@ from ..scheduling import EXPLORE_BUDGET, OnlineSurvivalCorrection, StepsPerSecon
 from .measurements import EngineMeasurements, measurement_key
 
 # Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch
-# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price near that of a decode step, whatever the
-# rows it carries (the weights are read once): SmolLM2-135M, bf16, 2 threads, 64 chat prompts prefilled 16 at a time
-# 7.4-7.9 s, one at a time 10.1-10.5 s (scripts/engine_prefill_batching.py), about 45 ms more per forward, where a
-# 16-row decode step takes ~90 ms, or ~6 ms per row. A slot left empty for a step forgoes a row of a step, so a held
-# admission pays for itself while its idle slot-steps stay below about half the batch.
-# A later warm rerun read the opposite (15.5 s grouped, 11.6 s singly): the price is not settled (README).
+# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price whatever it carries: SmolLM2-135M, bf16,
+# 2 threads, 48 ms (``PrefillCost``, ``scripts/engine_prefill_batching.py --fit``), where a 16-row decode step takes
+# ~90 ms, or ~6 ms per row. A slot left empty for a step forgoes a row of a step, so a held admission pays for itself
+# while its idle slot-steps stay below about half the batch.
 ADMISSION_HOLD = 0.5
 
 METHODS = ("plain", "fixed", "scheduled")
@@ -661,6 +659,9 @@ class DSparkEngine:
             draft alone (see ``PrefixSchedulerPolicy``).
         max_prefill_tokens: joining requests are prefilled together in right-padded batches of at most this many
             (padded) tokens.
+        prefill_cost: a ``PrefillCost``, the price model that splits joining requests (sorted by prompt length)
+            into prefill forwards: fewer forwards against less padding. Default: the one fitted on this project's
+            CPU (``scripts/engine_prefill_batching.py --fit`` fits another device's).
         admission_hold: with ``max_concurrency`` set and more requests waiting than there are free slots, the free
             slots wait while an active request is sure to finish (its remaining ``max_new_tokens``) within the
             steps they may still wait, so that its successor joins in the same prefill forward: at most
@@ -682,7 +683,7 @@ class DSparkEngine:
                  explore_budget: float = EXPLORE_BUDGET,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
-                 admission_hold: float = ADMISSION_HOLD, measurements: EngineMeasurements | None = None,
+                 prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD, measurements: EngineMeasurements | None = None,
                  seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -706,6 +707,10 @@ class DSparkEngine:
                              f"({explore_interval})")
         if not 0.0 <= explore_budget < 1.0:
             raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if prefill_cost is not None and not isinstance(prefill_cost, PrefillCost):
+            raise ValueError(f"prefill_cost must be a PrefillCost, got {type(prefill_cost).__name__}")
         if not math.isfinite(admission_hold) or admission_hold < 0:
             raise ValueError(f"admission_hold must be a finite number >= 0, got {admission_hold}")
         if not 0.0 < confidence_smoothing <= 1.0:
@@ -748,6 +753,7 @@ class DSparkEngine:
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_cost = PrefillCost() if prefill_cost is None else prefill_cost
         self.admission_hold = admission_hold
         self._held_slot_steps = 0  # idle slot-steps of the admission being held
         self._sps = sps
@@ -961,8 +967,9 @@ class DSparkEngine:
                 request.last_confidences = request.smoothed_confidences = prior
         started = time.perf_counter()
         events, parts = [], []
-        # Shortest prompts first: chunks of similar lengths waste little on right-padding.
-        for chunk in _chunks(sorted(joining, key=lambda r: len(r.prompt_ids)), self.max_prefill_tokens):
+        # Shortest prompts first: groups of similar lengths waste little on right-padding.
+        for chunk in _prefill_groups(sorted(joining, key=lambda r: len(r.prompt_ids)), self.max_prefill_tokens,
+                                     self.prefill_cost):
             start = self._now()
             part, context = self._prefill(chunk)
             self.stats.prefill_calls += 1
@@ -1365,25 +1372,51 @@ def tail_filled_order(keep: Sequence[int]) -> list[int]:
     return [i if i in kept else next(tail) for i in range(n)]
 
 
-def _chunks(requests: list[_Request], max_tokens: int, min_tokens: int = 1024,
-            max_padding: float = 0.25) -> Iterator[list[_Request]]:
-    """Consecutive groups (``requests`` sorted by prompt length) whose right-padded prompt batch stays within
-    ``max_tokens`` (a long prompt goes alone). A group that already holds ``min_tokens`` real tokens (enough for an
-    efficient forward) also closes before the next prompt would make padding more than ``max_padding`` of it:
-    one batch of mixed lengths pads every prompt to the longest (64 chat prompts: 2.4x the real tokens)."""
-    chunk: list[_Request] = []
-    real = 0
-    for request in requests:
-        length = len(request.prompt_ids)
-        longest = max([len(r.prompt_ids) for r in chunk] + [length])
-        padded = longest * (len(chunk) + 1)
-        if chunk and (padded > max_tokens or (real >= min_tokens and padded - real - length > max_padding * padded)):
-            yield chunk
-            chunk, real = [], 0
-        chunk.append(request)
-        real += length
-    if chunk:
-        yield chunk
+@dataclass(frozen=True)
+class PrefillCost:
+    """The price of one right-padded prefill forward over ``rows`` prompts padded to ``width``, in units of one
+    prompt token's share of the weight work: ``fixed_tokens + rows * width * (1 + width / attention_width)``.
+    ``fixed_tokens`` is what a forward costs whatever it carries (reading the weights, per-layer overheads);
+    ``attention_width`` the width at which a token's attention costs as much as the rest of its forward. Fitted
+    for SmolLM2-135M, bf16, 2 threads by ``scripts/engine_prefill_batching.py --fit`` (a forward costs 48 ms +
+    0.66 ms per padded token + 0.62 us per padded token and key, within 16% over 1-16 rows of 16-512 tokens: 73
+    tokens fixed, attention width 1067)."""
+
+    fixed_tokens: float = 73.0
+    attention_width: float = 1067.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.fixed_tokens) and self.fixed_tokens >= 0):
+            raise ValueError(f"PrefillCost.fixed_tokens must be a finite number >= 0, got {self.fixed_tokens}")
+        if not self.attention_width > 0:
+            raise ValueError(f"PrefillCost.attention_width must be > 0, got {self.attention_width}")
+
+    def __call__(self, rows: int, width: int) -> float:
+        return self.fixed_tokens + rows * width * (1.0 + width / self.attention_width)
+
+
+def _prefill_groups(requests: list[_Request], max_tokens: int, cost: PrefillCost) -> list[list[_Request]]:
+    """The cheapest split of ``requests`` (sorted by prompt length) into consecutive groups, each prefilled in one
+    right-padded forward of at most ``max_tokens`` padded tokens (a longer prompt goes alone), by ``cost``: a
+    shortest-path over the sorted order. Grouping saves a forward's fixed price; padding every prompt of a group to
+    its longest costs tokens (64 chat prompts in one batch: 2.4x the real tokens, 2-3x slower than one at a time)."""
+    lengths = [len(r.prompt_ids) for r in requests]
+    best = [0.0] + [math.inf] * len(requests)
+    start = [0] * (len(requests) + 1)
+    for end in range(1, len(requests) + 1):
+        width = lengths[end - 1]
+        for first in range(end - 1, -1, -1):
+            rows = end - first
+            if rows > 1 and rows * width > max_tokens:
+                break
+            total = best[first] + cost(rows, width)
+            if total < best[end]:
+                best[end], start[end] = total, first
+    groups, end = [], len(requests)
+    while end > 0:
+        groups.append(requests[start[end]:end])
+        end = start[end]
+    return groups[::-1]
 
 
 def _groups(params: Sequence[SamplingParams]) -> dict[tuple, list[int]]:
@@ -1450,6 +1483,7 @@ __all__ = [
     "DSparkEngine",
     "DeferredDrafterContext",
     "EngineStats",
+    "PrefillCost",
     "RaggedBatchCache",
     "RequestOutput",
     "SamplingParams",
