@@ -255,6 +255,14 @@ def test_greedy_equality_mixed_lengths(tiny_targets, trained_drafters, family, m
     assert sum(side["verify_tokens"] for side in sides) == sum(result.stats.verify_tokens)
     assert sum(side["seconds"] for side in sides) == pytest.approx(sum(result.stats.seconds))
     assert all(entry["plain"]["verify_tokens"] == 0 for entry in by_rows.values())
+    # the cache the steps attended over: at the first step the first five prompts but the one finished by its
+    # prefill (max_new_tokens=1), right-padded to the longest
+    assert sum(side["cache_columns"] for side in sides) == sum(result.stats.cache_widths)
+    assert sum(side["cache_holes"] for side in sides) == sum(result.stats.cache_holes)
+    first = [len(p) for p, m in zip(prompts[:5], max_new) if m > 1]
+    assert (result.stats.cache_widths[0], result.stats.cache_holes[0]) == (max(first), sum(max(first) - n for n in first))
+    assert all(0 <= h < a * w for a, w, h in zip(result.stats.active, result.stats.cache_widths,
+                                                 result.stats.cache_holes))
     if method == "plain":
         assert summary["mean_verify_tokens_per_step"] == 0
     else:

@@ -496,6 +496,8 @@ class EngineStats:
     drafting: list[int] = field(default_factory=list)
     verify_tokens: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # padded block width (1 + longest verification) per step
+    cache_widths: list[int] = field(default_factory=list)  # target cache columns (valid and holes) each step attended
+    cache_holes: list[int] = field(default_factory=list)  # of which holes, summed over rows
     survival_correction: list[float] = field(default_factory=list)  # online factors per position (scheduler)
     emitted: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # whole step (decisions, drafting, verification), no prefill
@@ -531,17 +533,21 @@ class EngineStats:
 
     def by_active_requests(self) -> dict[int, dict]:
         """Per number of active requests, for its drafting steps and its plain steps apart: steps, draft tokens
-        verified, tokens emitted and seconds (where the scheduler drafted, and what each side delivered there)."""
+        verified, tokens emitted, seconds (where the scheduler drafted, and what each side delivered there), and the
+        target cache's columns and hole cells those steps attended over (summed over steps)."""
         out: dict[int, dict] = {}
-        for rows, drafting, verified, emitted, seconds in zip(self.active, self.drafting, self.verify_tokens,
-                                                               self.emitted, self.seconds):
+        empty = {"steps": 0, "verify_tokens": 0, "emitted": 0, "seconds": 0.0, "cache_columns": 0, "cache_holes": 0}
+        for rows, drafting, verified, emitted, seconds, columns, holes in zip(
+                self.active, self.drafting, self.verify_tokens, self.emitted, self.seconds, self.cache_widths,
+                self.cache_holes, strict=True):
             side = "drafting" if drafting else "plain"
-            entry = out.setdefault(rows, {s: {"steps": 0, "verify_tokens": 0, "emitted": 0, "seconds": 0.0}
-                                          for s in ("drafting", "plain")})[side]
+            entry = out.setdefault(rows, {s: dict(empty) for s in ("drafting", "plain")})[side]
             entry["steps"] += 1
             entry["verify_tokens"] += verified
             entry["emitted"] += emitted
             entry["seconds"] += seconds
+            entry["cache_columns"] += columns
+            entry["cache_holes"] += holes
         return dict(sorted(out.items()))
 
 
@@ -854,6 +860,8 @@ class DSparkEngine:
         checked = self.method == "scheduled" and self.cost_aware  # the cost model's prediction is checked below
         # a plain step's model price, from the table the decision used (the verify below reprices it)
         plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
+        self.stats.cache_widths.append(self._cache.width)
+        self.stats.cache_holes.append(int(self._cache.valid.numel() - self._cache.valid.sum()))
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
