@@ -639,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk; append ',ungated' "
                             "(or scheduled=ungated) to turn the realized gate off; append ',hold=H' to any method to "
-                            "set the engine's admission_hold (0: admit at once)")
+                            "set the engine's admission_hold (0: admit at once), ',prefill=F' to set its "
+                            "PrefillCost fixed_tokens (1e9: each admission in one padded forward)")
     serve.add_argument("--repeats", type=int, default=1,
                        help="run the methods of each concurrency round-robin N times; keep each method's fastest run")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",

@@ -1218,8 +1218,12 @@ def test_bench_method_specs():
     assert parse_method("fixed=3,hold=1") == {"method": "fixed", "num_verify_tokens": 3, "admission_hold": 1.0}
     assert parse_method("scheduled=prefix,ungated,hold=0.25") == {
         "method": "scheduled", "schedule": "prefix", "realized_gate": False, "admission_hold": 0.25}
+    from hf_dspark.engine import PrefillCost
+
+    assert parse_method("plain,prefill=1e9,hold=0") == {"method": "plain", "admission_hold": 0.0,
+                                                         "prefill_cost": PrefillCost(fixed_tokens=1e9)}
     for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy", "plain,hold=-1", "plain,hold=x",
-                "plain,hold", "plain,ungated", "fixed,ungated"):
+                "plain,hold", "plain,ungated", "fixed,ungated", "plain,prefill=-1", "plain,prefill=inf"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_method(bad)
 

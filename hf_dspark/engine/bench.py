@@ -19,30 +19,35 @@ from pathlib import Path
 
 import torch
 
-from .batching import SCHEDULES, DSparkEngine, SamplingParams
+from .batching import SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
 
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
     keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
     the engine's realized gate off, to measure what it brings. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
-    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings."""
+    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings; and
+    ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded forward): a ``PrefillCost`` with
+    ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards brings."""
     head, *options = spec.split(",")
     name, _, value = head.partition("=")
     kwargs: dict = {}
     rest = []
     for option in options:
         key, eq, number = option.partition("=")
-        if key != "hold":
+        if key not in ("hold", "prefill"):
             rest.append(option)
             continue
         try:
-            hold = float(number) if eq else float("nan")
+            number = float(number) if eq else float("nan")
         except ValueError:
-            hold = float("nan")
-        if not math.isfinite(hold) or hold < 0:
-            raise ValueError(f"method {spec!r}: hold=H needs a number H >= 0")
-        kwargs["admission_hold"] = hold
+            number = float("nan")
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"method {spec!r}: {key}=N needs a number N >= 0")
+        if key == "hold":
+            kwargs["admission_hold"] = number
+        else:
+            kwargs["prefill_cost"] = PrefillCost(fixed_tokens=number)
     if name == "plain" and not value and not rest:
         return {"method": "plain", **kwargs}
     if name == "fixed" and not rest:
@@ -54,14 +59,14 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         ungated = "ungated" in options
         schedules = [part for part in options if part != "ungated"]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,hold=H], SCHEDULE one of "
+            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,hold=H][,prefill=F], SCHEDULE one of "
                              f"{SCHEDULES}")
         out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         if ungated:
             out["realized_gate"] = False
         return {**out, **kwargs}
     raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated], "
-                     f"each with an optional ,hold=H")
+                     f"each with optional ,hold=H and ,prefill=F")
 
 
 def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
