@@ -1174,6 +1174,42 @@ def test_prefill_groups_are_the_cheapest_split_of_the_sorted_prompts():
         PrefillCost(attention_width=0)
 
 
+def test_cache_layer_appends_in_place():
+    """The engine's target cache layers write each step's columns into spare buffer columns instead of copying the
+    layer (``DynamicLayer.update``), with the same contents; rows leaving keep the buffer, a replaced tensor (rows
+    gathered, joined or compacted) is copied into a new one."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_dspark.engine.batching import _GrowingLayer
+
+    torch.manual_seed(0)
+    layer, reference = _GrowingLayer(), DynamicLayer()
+
+    def step(new: int) -> None:
+        k, v = torch.randn(layer.keys.shape[0] if layer.is_initialized else 3, 2, new, 4), torch.randn(3, 2, new, 4)
+        v = v[: k.shape[0]]
+        got, want = layer.update(k, v), reference.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(layer.keys, reference.keys) and torch.equal(layer.values, reference.values)
+
+    step(5)
+    pointers = set()
+    for i in range(12):
+        step(1 + i % 3)
+        pointers.add(layer.keys.data_ptr())
+    assert len(pointers) == 1  # one buffer: no copy of the layer per step
+    for t in (layer, reference):  # a request leaves from the tail: a narrowed view
+        t.keys, t.values = t.keys[:2], t.values[:2]
+    step(2)
+    assert layer.keys.data_ptr() in pointers
+    for t in (layer, reference):  # rows gathered into a new tensor
+        t.keys, t.values = t.keys.index_select(0, torch.tensor([1, 0])), t.values.index_select(0, torch.tensor([1, 0]))
+    step(1)
+    assert layer.keys.data_ptr() not in pointers
+    for _ in range(40):  # past the spare columns: a bigger buffer
+        step(3)
+
+
 def test_leaving_rows_are_filled_from_the_tail():
     """A request leaving the batch moves a tail row into its place (a few rows copied, the rest a narrowed view);
     the result equals a full gather in that order, and any other order still gathers."""
