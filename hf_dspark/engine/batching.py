@@ -2,8 +2,9 @@
 
 transformers' assisted generation serves one sequence at a time; here every step
 
-1. admits waiting requests (continuous batching: they are prefilled together and join the batch as new rows; free
-   slots wait a few steps for rows about to finish, so that joiners share one prefill forward),
+1. admits waiting requests (continuous batching: they join the batch as new rows, prefilled in the forwards a
+   fitted price model (``PrefillCost``) finds cheapest, fewer forwards against less padding; free slots wait a few
+   steps for rows about to finish, so that joiners share one prefill forward),
 2. drafts a block for the requests that will be verified (``DSparkDrafter`` forward + ``sample_block``, batched),
 3. picks a verification length per request from a shared budget (fixed, or the scheduler over the profiled SPS(B)
    curve of the batch's verification tokens B: Algorithm 1 by width layers for the padded batch (the default),
@@ -17,7 +18,8 @@ Rejected tokens are rolled back by masking, not by cropping: ``RaggedBatchCache`
 ``DynamicCache`` column-aligned, with a per-row ``valid`` mask. A verification forward appends the block's columns to
 every row; afterwards only the anchor and the accepted drafts stay valid, rejected drafts and padding become holes
 that every later attention mask hides. Valid columns of a row hold its positions 0..n-1 in order, so the cache always
-contains exactly the verified sequence; ``compact`` squeezes the holes out now and then. The drafter's context
+contains exactly the verified sequence; ``compact`` squeezes the holes out now and then. Its layers append in place
+into spare columns (``_GrowingLayer``) where ``DynamicLayer`` would copy every layer each step. The drafter's context
 (``DeferredDrafterContext``) is built lazily: the verified positions' target features wait, and are projected into
 the drafter's context K/V only when the request drafts, so requests that skip drafting cost the drafter nothing.
 The target's forwards run with ``hf_dspark.attention.packed_attention``: a grouped-query target's query heads are
