@@ -56,8 +56,8 @@ def main() -> None:
                 rates[name].append(tokens / wall)
                 step_rates[name].append(engine.stats.steps / sum(engine.stats.seconds))
                 outputs.setdefault(name, {k: o.token_ids for k, o in engine.outputs.items()})
-                print(f"c={concurrency:<3d} {name:14s} {rates[name][-1]:7.1f} tok/s, {1000 / step_rates[name][-1]:6.1f} ms "
-                      f"per decode step", flush=True)
+                print(f"c={concurrency:<3d} {name:14s} {rates[name][-1]:7.1f} tok/s, "
+                      f"{1000 / step_rates[name][-1]:6.1f} ms per decode step", flush=True)
         if outputs["in place"] != outputs["concatenation"]:
             raise RuntimeError("in-place append changed the outputs")
         ratios = against_baseline(rates["in place"], rates["concatenation"])

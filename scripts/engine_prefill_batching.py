@@ -2,8 +2,8 @@
 
 ``--fit``: times the engine's prefill forward (``DSparkEngine._prefill``) over ``rows`` equal prompts of ``width``
 tokens for a grid of shapes (the fastest of three each), fits ``seconds = fixed + a * rows * width + b * rows *
-width**2`` by least squares on relative errors and prints the ``PrefillCost`` it implies (the default ``PrefillCost`` comes from this on
-SmolLM2-135M, bf16, 2 threads).
+width**2`` by least squares on relative errors and prints the ``PrefillCost`` it implies (the default
+``PrefillCost`` comes from this on SmolLM2-135M, bf16, 2 threads).
 
 Then every prompt is admitted (prefilled) by a fresh plain engine, in groups of ``--group-sizes`` prompts at a time
 (the engine splits each group into forwards by its ``PrefillCost``), and the total admission time per group size is
@@ -88,7 +88,8 @@ def fit(target) -> None:
     design = torch.tensor([[1.0, b * w, b * w * w] for b, w, _ in rows], dtype=torch.float64)
     seconds = torch.tensor([s for _, _, s in rows], dtype=torch.float64)
     weights = 1.0 / seconds[:, None]  # relative errors: the small forwards (most joins) count as much as the big ones
-    fixed, per_token, per_pair = torch.linalg.lstsq(design * weights, seconds[:, None] * weights).solution[:, 0].tolist()
+    solution = torch.linalg.lstsq(design * weights, seconds[:, None] * weights).solution
+    fixed, per_token, per_pair = solution[:, 0].tolist()
     worst = max(abs(float(p) - s) / s for p, s in zip(design @ torch.tensor([fixed, per_token, per_pair],
                                                                                dtype=torch.float64), seconds))
     print(f"fit: {1000 * fixed:.1f} ms per forward + {1000 * per_token:.3f} ms per padded token + "

@@ -260,7 +260,8 @@ def test_greedy_equality_mixed_lengths(tiny_targets, trained_drafters, family, m
     assert sum(side["cache_columns"] for side in sides) == sum(result.stats.cache_widths)
     assert sum(side["cache_holes"] for side in sides) == sum(result.stats.cache_holes)
     first = [len(p) for p, m in zip(prompts[:5], max_new) if m > 1]
-    assert (result.stats.cache_widths[0], result.stats.cache_holes[0]) == (max(first), sum(max(first) - n for n in first))
+    assert (result.stats.cache_widths[0], result.stats.cache_holes[0]) == (max(first),
+                                                                        sum(max(first) - n for n in first))
     assert all(0 <= h < a * w for a, w, h in zip(result.stats.active, result.stats.cache_widths,
                                                  result.stats.cache_holes))
     if method == "plain":

@@ -726,8 +726,8 @@ class DSparkEngine:
                  explore_budget: float = EXPLORE_BUDGET,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
-                 prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD, measurements: EngineMeasurements | None = None,
-                 seed: int = 0):
+                 prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
+                 measurements: EngineMeasurements | None = None, seed: int = 0):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

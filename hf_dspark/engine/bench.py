@@ -59,8 +59,8 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         ungated = "ungated" in options
         schedules = [part for part in options if part != "ungated"]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,hold=H][,prefill=F], SCHEDULE one of "
-                             f"{SCHEDULES}")
+            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,hold=H][,prefill=F], "
+                             f"SCHEDULE one of {SCHEDULES}")
         out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         if ungated:
             out["realized_gate"] = False
