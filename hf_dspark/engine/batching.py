@@ -312,8 +312,9 @@ class _ColumnAligned:
 
 class _GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views into buffers with spare columns: a step's new columns are
-    written in place, where ``DynamicLayer.update`` concatenates (a fresh copy of the whole layer every step: at 16
-    rows x ~200 columns that was ~6 ms of an ~80 ms SmolLM2 step, fresh allocations page-faulting far more). When
+    written in place, where ``DynamicLayer.update`` concatenates (a fresh copy of the whole layer every step: for
+    SmolLM2, bf16, 2 threads, 16 rows x ~200 columns ~7 ms of an ~80 ms step, 64 rows 26 ms of ~250, 3-4x that while
+    fresh allocations page-fault; ``scripts/engine_cache_append.py --concatenation-only``). When
     the engine replaces the tensors (rows leaving or joining, compaction) the next update copies them once into a
     new buffer."""
 
