@@ -1187,8 +1187,8 @@ def test_cache_layer_appends_in_place():
     layer, reference = _GrowingLayer(), DynamicLayer()
 
     def step(new: int) -> None:
-        k, v = torch.randn(layer.keys.shape[0] if layer.is_initialized else 3, 2, new, 4), torch.randn(3, 2, new, 4)
-        v = v[: k.shape[0]]
+        rows = layer.keys.shape[0] if layer.is_initialized else 3
+        k, v = torch.randn(rows, 2, new, 4), torch.randn(rows, 2, new, 4)
         got, want = layer.update(k, v), reference.update(k, v)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert torch.equal(layer.keys, reference.keys) and torch.equal(layer.values, reference.values)

@@ -349,18 +349,16 @@ class RaggedBatchCache(_ColumnAligned):
     """
 
     def __init__(self, target_cache: DynamicCache, valid: torch.Tensor):
-        for layer in target_cache.layers:
-            if type(layer) not in (DynamicLayer, _GrowingLayer):
+        for i, layer in enumerate(target_cache.layers):
+            if type(layer) is DynamicLayer:  # same state, appended in place
+                growing = _GrowingLayer.__new__(_GrowingLayer)
+                growing.__dict__.update(layer.__dict__)
+                target_cache.layers[i] = growing
+            elif type(layer) is not _GrowingLayer:
                 raise ValueError(
                     f"the batched engine serves full-attention targets with a plain DynamicCache; this target's "
                     f"cache has a {type(layer).__name__} layer (sliding-window or hybrid attention)"
                 )
-        for i, layer in enumerate(target_cache.layers):  # same state, appended in place
-            if type(layer) is _GrowingLayer:
-                continue
-            growing = _GrowingLayer.__new__(_GrowingLayer)
-            growing.__dict__.update(layer.__dict__)
-            target_cache.layers[i] = growing
         self.target_cache = target_cache
         self.valid = valid  # bool [R, W]
 
@@ -899,7 +897,8 @@ class DSparkEngine:
         # a plain step's model price, from the table the decision used (the verify below reprices it)
         plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
         self.stats.cache_widths.append(self._cache.width)
-        self.stats.cache_holes.append(int(self._cache.valid.numel() - self._cache.valid.sum()))
+        # row r's valid columns are its verified positions 0..length-1 (RaggedBatchCache's invariant)
+        self.stats.cache_holes.append(len(rows) * self._cache.width - sum(r.length for r in rows))
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
