@@ -1193,6 +1193,14 @@ def test_cache_layer_appends_in_place():
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert torch.equal(layer.keys, reference.keys) and torch.equal(layer.values, reference.values)
 
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    cache.layers = [DynamicLayer(), DynamicSlidingWindowLayer(sliding_window=4)]
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
+        RaggedBatchCache(cache, torch.ones(1, 0, dtype=torch.bool))
+
     step(5)
     pointers = set()
     for i in range(12):
