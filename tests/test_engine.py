@@ -555,8 +555,8 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
 
 
 def test_realized_gate_decisions():
-    """The realized gate's bookkeeping: drafting is free to go until measured twice; then a plain step at once when
-    plain was never measured at that batch size; once both are measured, the faster side (tokens over seconds of its
+    """The realized gate's bookkeeping: drafting is free to go until measured twice; then plain steps at once until
+    plain is measured twice at that batch size too; once both are measured, the faster side (tokens over seconds of its
     last 32 steps) wins, a losing drafting side is re-measured after a doubling wait, and while drafting wins the plain
     side is still refreshed every ``explore_interval`` steps."""
     target = make_target("llama")
@@ -570,7 +570,10 @@ def test_realized_gate_decisions():
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
     assert not engine._realized_allows_drafting(4)  # drafting measured twice, plain never: measure plain now
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
-    assert not engine._realized_allows_drafting(4)
+    assert not engine._realized_allows_drafting(4)  # plain measured once: measure it again (VERDICT_ROUNDS)
+    assert engine._realized_allows_drafting(2)  # no verdict at 4 yet for 2 to take
+    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
+    assert not engine._realized_allows_drafting(4)  # the verdict: plain
     assert engine._realized_allows_drafting(1)  # a much smaller batch size is judged on its own
     assert not engine._realized_allows_drafting(2)  # one within half of 4 (a draining batch) takes 4's verdict
     assert not engine._realized_allows_drafting(3)
@@ -579,7 +582,6 @@ def test_realized_gate_decisions():
     engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
     assert not engine._realized_allows_drafting(8)  # measured twice at 8 itself, plain never: plain at 8 now
     assert not engine._realized_allows_drafting(16)  # 8 has no plain steps: 4 (drafting lost) decides
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
     assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
     engine.measurements.record_step(4, True, emitted=8, seconds=0.1)

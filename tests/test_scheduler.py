@@ -305,8 +305,33 @@ def test_realized_gate_needs_a_margin_to_draft():
         for _ in range(4):
             gate.record_step(1, True, 10 * ratio, 1.0)
         gate.record_step(1, False, 10, 1.0)
-        assert gate.drafting_allowed(1, 2, 8) is allowed, ratio
+        gate.record_step(1, False, 10, 1.0)
+        assert gate.drafting_allowed(1, 3, 8) is allowed, ratio
         assert gate.drafting_lost_nearby(2) is not allowed  # a nearby size takes the same verdict
+
+
+def test_realized_gate_measures_each_side_twice_before_a_verdict():
+    """Two drafting rounds and one plain round are no verdict yet: one lucky comparison would keep drafting on for a
+    whole ``explore_interval``. The gate asks for plain rounds until that side has ``VERDICT_ROUNDS`` too, and a
+    nearby batch size does not take a verdict from a size measured less than that."""
+    from hf_dspark.scheduling import VERDICT_ROUNDS
+
+    assert VERDICT_ROUNDS == 2
+    gate = RealizedGate()
+    for _ in range(2):
+        assert gate.drafting_allowed(16, 16, 256, 0)  # nothing measured: free
+        gate.record_step(16, True, 30, 1.0)  # drafting: 30 tokens/s
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # drafting measured, plain not: measure plain
+    gate.record_step(16, False, 16, 1.0)  # one slow plain round (16 tokens/s): drafting would win on it
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # but plain is measured once only: measure it again
+    assert gate.nearby_loss(12) is None and gate.drafting_allowed(12, 16, 256, 0)  # no verdict at 16 for 12 to take
+    gate.record_step(16, False, 48, 1.0)  # plain: 64 tokens in 2 s, 32 tokens/s against drafting's 30
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # the verdict: plain
+    assert gate.nearby_loss(12) == 16 and not gate.drafting_allowed(12, 16, 256, 0)
+    won = RealizedGate()
+    for drafted, tokens in ((True, 40), (True, 40), (False, 16), (False, 16)):
+        won.record_step(16, drafted, tokens, 1.0)
+    assert won.drafting_allowed(16, 16, 256, 0)  # drafting 40 tokens/s against plain's 16: draft
 
 
 def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
@@ -315,7 +340,8 @@ def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
     gate = RealizedGate()
     for _ in range(3):
         gate.record_step(5, True, 5, 1.0)  # drafting at 5: 5 tokens/s
-    gate.record_step(5, False, 5, 0.5)  # plain at 5: 10 tokens/s
+    for _ in range(2):
+        gate.record_step(5, False, 5, 0.5)  # plain at 5: 10 tokens/s
     assert gate.nearby_loss(4) == 5 and gate.drafting_lost_nearby(4)
     pattern = []
     for _ in range(6):
@@ -331,7 +357,8 @@ def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
     budgeted = RealizedGate()
     for _ in range(3):
         budgeted.record_step(5, True, 5, 1.0)
-    budgeted.record_step(5, False, 5, 0.5)
+    for _ in range(2):
+        budgeted.record_step(5, False, 5, 0.5)
     rounds = 0
     while not budgeted.drafting_allowed(4, 4, 10_000, 0.01):
         budgeted.record_step(4, False, 4, 0.5)

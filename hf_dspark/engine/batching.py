@@ -671,7 +671,7 @@ class DSparkEngine:
             decodes plain, drafting again after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
-            drafting has been measured twice at R where plain never was, the next step decodes plain to measure that
+            drafting has been measured twice at R and plain not yet twice, the next steps decode plain to measure that
             side (a plain step costs nothing next to plain decoding). A batch size not yet measured takes the verdict
             of the nearest smaller one measured on both sides (a load rising past sizes where drafting lost does not
             draft at every new size to find out), and a loss at the nearest larger one up to twice its size (nor does

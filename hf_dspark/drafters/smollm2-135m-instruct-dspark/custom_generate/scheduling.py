@@ -322,6 +322,11 @@ class OnlineSurvivalCorrection:
 
 REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
 REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
+# Rounds each side needs at a batch size before a verdict there. One plain round against two drafting ones let a
+# lucky first comparison keep drafting on for a whole ``explore_interval`` (SmolLM2 at 16 requests, bf16: 14 drafting
+# rounds of the first run at 0.95x the plain rounds' rate), and a drafting round's lead is paid again later in the
+# batch's desynchronised joins.
+VERDICT_ROUNDS = 2
 # Drafting wins a verdict only when it delivers this much more than plain rounds. A re-measurement is judged on a
 # few rounds, and drafting that truly loses by 10% (SmolLM2 at 16 requests) still "wins" some of them by chance; a
 # wrong "draft" also costs what the rounds do not show (drafting desynchronises a batch's requests, so more of them
@@ -384,15 +389,15 @@ class RealizedGate:
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
                          explore_budget: float = EXPLORE_BUDGET) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
-        whole rounds delivered there: free until drafting has been measured twice; then a plain round at once when
-        the plain side was never measured there (and one every ``explore_interval`` rounds while drafting wins, to
-        keep the plain side fresh); otherwise the faster side, re-measuring a losing drafting side after a wait that
-        starts at ``explore_interval`` and doubles (up to ``max_explore_interval``) while drafting keeps losing, and
-        that also lasts until the expected loss of the re-measurement (``REMEASURE_ROUNDS`` drafting rounds at the
-        measured shortfall) is at most ``explore_budget`` of the plain rounds' seconds since drafting last ran
-        (``remeasure_loss``; never past ``max_explore_interval`` rounds; 0 turns this off). A re-measurement drafts
-        ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on every round since it began, up to the
-        window), not on the window of the stretch that made drafting lose.
+        whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
+        rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
+        rounds while drafting wins, to keep the plain side fresh); otherwise the faster side, re-measuring a losing
+        drafting side after a wait that starts at ``explore_interval`` and doubles (up to ``max_explore_interval``)
+        while drafting keeps losing, and that also lasts until the expected loss of the re-measurement
+        (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget`` of the plain
+        rounds' seconds since drafting last ran (``remeasure_loss``; never past ``max_explore_interval`` rounds; 0
+        turns this off). A re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on
+        every round since it began, up to the window), not on the window of the stretch that made drafting lose.
 
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
         where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
@@ -426,7 +431,7 @@ class RealizedGate:
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True, None  # a re-measurement under way: its verdict comes from its own rounds
-        if drafting is None or len(drafting) < 2:
+        if drafting is None or len(drafting) < VERDICT_ROUNDS:
             loser = self.nearby_loss(rows)
             if loser is None:
                 return True, None  # not measured here: free, unless a size it follows lost
@@ -435,11 +440,12 @@ class RealizedGate:
             # would get, the expected loss priced by the nearby size's rounds.
             return self._remeasure_verdict(rows, loser, self.realized_rate(loser, False), explore_interval,
                                            max_explore_interval, explore_budget)
-        plain_rate = self.realized_rate(rows, False)
-        if plain_rate is None:
-            # Drafting is measured here and plain never was: measure plain now. A plain round costs nothing next to
-            # plain decoding, while every drafting round run before the verdict may be a loss.
+        plain = self.realized.get((rows, False))
+        if plain is None or len(plain) < VERDICT_ROUNDS:
+            # Drafting is measured here and plain not yet enough: measure plain now. A plain round costs nothing next
+            # to plain decoding, while every drafting round run before the verdict may be a loss.
             return False, None
+        plain_rate = self.realized_rate(rows, False)
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
@@ -472,15 +478,16 @@ class RealizedGate:
     def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
         largest batch size below ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were
-        measured (drafting at least twice). Below: the budget shrinks as load grows. Above, within a factor of two:
-        a batch draining from a size where drafting lost (requests finishing one by one) would otherwise pay two
-        drafting rounds at every size on the way down to learn the same thing."""
+        measured (each at least ``VERDICT_ROUNDS`` times). Below: the budget shrinks as load grows. Above, within a
+        factor of two: a batch draining from a size where drafting lost (requests finishing one by one) would
+        otherwise pay two drafting rounds at every size on the way down to learn the same thing."""
         return self.nearby_loss(rows) is not None
 
     def nearby_loss(self, rows: int) -> int | None:
         """The batch size whose loss ``drafting_lost_nearby`` finds for ``rows`` (the one below first), or None."""
         measured = [r for (r, drafted), window in self.realized.items()
-                    if drafted and r != rows and r <= 2 * rows and len(window) >= 2 and self.realized.get((r, False))]
+                    if drafted and r != rows and r <= 2 * rows and len(window) >= VERDICT_ROUNDS
+                    and len(self.realized.get((r, False), ())) >= VERDICT_ROUNDS]
         below = [r for r in measured if r < rows]
         above = [r for r in measured if r > rows]
         for r in ([max(below)] if below else []) + ([min(above)] if above else []):
