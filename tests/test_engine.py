@@ -23,7 +23,7 @@ from hf_dspark.engine import (
     speculative_verify,
 )
 from hf_dspark.profiling import BatchedStepsPerSecond
-from hf_dspark.scheduling import RealizedGate, StepsPerSecond
+from hf_dspark.scheduling import StepsPerSecond
 from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target
 from tests.test_sampling import VOCAB, chi_square_pvalue, exact_pair_distribution
 
@@ -731,63 +731,6 @@ def test_verify_prices_are_medians_of_recent_timings():
     loaded = EngineMeasurements.from_dict(m.to_dict())
     loaded.record_verify(1, 2, 1.0)  # the reloaded price is held by its window of timings, not by one
     assert loaded.verify_cost[(1, 2)] == pytest.approx(0.02)
-
-
-def test_prefill_timings_price_a_forward_and_survive_a_file():
-    """The engine times every prefill forward against its ``PrefillCost`` price; their seconds per priced token are
-    what a forward's fixed price is in seconds, and they travel with the measurements file (older files carry none)."""
-    from hf_dspark.engine.measurements import PREFILL_WINDOW, EngineMeasurements
-
-    m = EngineMeasurements()
-    assert m.prefill_seconds_per_token() is None
-    m.record_prefill(100.0, 0.1)
-    m.record_prefill(300.0, 0.1)
-    assert m.prefill_seconds_per_token() == pytest.approx(0.2 / 400)
-    loaded = EngineMeasurements.from_dict(m.to_dict())
-    assert list(loaded.prefill) == [(100.0, 0.1), (300.0, 0.1)]
-    old = m.to_dict()
-    del old["prefill"]
-    assert EngineMeasurements.from_dict(old).prefill_seconds_per_token() is None
-    for _ in range(PREFILL_WINDOW):
-        m.record_prefill(10.0, 1.0)
-    assert m.prefill_seconds_per_token() == pytest.approx(0.1)  # the window keeps the last forwards only
-    for bad in ((0.0, 0.1), (10.0, -1.0)):
-        with pytest.raises(ValueError, match="prefill forward"):
-            m.record_prefill(*bad)
-
-
-def test_drafting_overhead_prices_the_prefill_sharing_it_breaks(tiny_targets, trained_drafters):
-    """With requests waiting to join, the realized gate charges drafting a share of a prefill forward's fixed price
-    per token: ``fixed_tokens * seconds per priced token * (1 - 1/R) / max_new_tokens``. Nothing waiting, one
-    request, or no prefill timed yet: no charge. Drafting that wins its rounds by 9% (SmolLM2 at 16 requests) loses
-    the verdict under the charge of 16 requests x 32 tokens, and keeps it for 256-token requests."""
-    from hf_dspark.engine import PrefillCost
-
-    target = tiny_targets["llama"]
-    prompts = [p[0].tolist() for p in random_prompts(6, 6, target.config.vocab_size, seed=5)]
-    engine = DSparkEngine(target, trained_drafters["llama"], method="scheduled", sps=FLAT_SPS, max_concurrency=4,
-                          prefill_cost=PrefillCost(fixed_tokens=50.0))
-    assert engine._drafting_overhead(4) == 0.0  # nothing admitted, nothing timed
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_new_tokens=20))
-    engine.step()  # four join; two wait
-    seconds_per_token = engine.measurements.prefill_seconds_per_token()
-    assert seconds_per_token > 0 and engine.stats.prefill_calls == len(engine.measurements.prefill)
-    assert engine._drafting_overhead(4) == pytest.approx(50.0 * seconds_per_token * 0.75 / 20)
-    assert engine._drafting_overhead(1) == 0.0
-    engine._waiting.clear()
-    assert engine._drafting_overhead(4) == 0.0  # nothing left to join: no prefill to share
-
-    gate = RealizedGate()
-    for drafted, tokens in ((True, 186), (True, 186), (False, 171), (False, 171)):  # tokens per 1 s round
-        gate.record_step(16, drafted, tokens, 1.0)
-    fixed = 0.048 * (1 - 1 / 16)  # SmolLM2, bf16: a prefill forward's fixed 48 ms
-    assert gate.drafting_allowed(16, 16, 256, 0)  # rounds alone: 1.09x, past the margin
-    assert not gate.drafting_allowed(16, 16, 256, 0, overhead=fixed / 32)
-    assert gate.nearby_loss(12, overhead=fixed / 32) == 16 and gate.nearby_loss(12) is None
-    assert gate.drafting_allowed(16, 16, 256, 0, overhead=fixed / 256)
-    assert gate.effective_drafting_rate(16, fixed / 32) == pytest.approx(1 / (1 / 186 + fixed / 32))
-    assert gate.remeasure_loss(16, 171, fixed / 32) > gate.remeasure_loss(16, 171) == 0.0
 
 
 def test_moving_average():

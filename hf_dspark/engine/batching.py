@@ -982,27 +982,7 @@ class DSparkEngine:
     def _realized_allows_drafting(self, num_requests: int) -> bool:
         """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates."""
         return self.measurements.drafting_allowed(num_requests, self.explore_interval, self.max_explore_interval,
-                                                  self.explore_budget, self._drafting_overhead(num_requests))
-
-    def _drafting_overhead(self, num_requests: int) -> float:
-        """Seconds per emitted token that drafting costs a full batch outside its own steps, for the realized gate.
-
-        Requests that decode plain advance one token per step, so requests that joined together finish together
-        and their successors share prefill forwards (a forward's fixed price, ``PrefillCost.fixed_tokens`` in
-        seconds as measured here, is shared by up to R of them). Accepted drafts move each request on by a
-        different number of tokens, so they finish apart and their successors join one by one, each paying the
-        fixed price alone, or wait in held slots (the closed loop of bench-serve at 16 requests: the steps that
-        drafted delivered 1.09x the plain steps' tokens per second, and the run 0.84x). Priced per request as
-        ``fixed seconds * (1 - 1 / R)``, spread over its expected tokens (its ``max_new_tokens``): 0 with nothing
-        waiting to join (nothing to share), at one request (nothing shared), or before a prefill was timed."""
-        if not self._waiting or num_requests < 2 or not self._rows:
-            return 0.0
-        seconds_per_token = self.measurements.prefill_seconds_per_token()
-        if seconds_per_token is None:
-            return 0.0
-        fixed = self.prefill_cost.fixed_tokens * seconds_per_token * (1.0 - 1.0 / num_requests)
-        tokens = sum(r.params.max_new_tokens for r in self._rows) / len(self._rows)
-        return fixed / max(tokens, 1.0)
+                                                  self.explore_budget)
 
     # --------------------------------------------------------------------------------------------------------------
     # Joining: prefill the new requests together (right-padded), then append their rows
@@ -1041,10 +1021,7 @@ class DSparkEngine:
         for chunk in _prefill_groups(sorted(joining, key=lambda r: len(r.prompt_ids)), self.max_prefill_tokens,
                                      self.prefill_cost):
             start = self._now()
-            forward_started = time.perf_counter()
             part, context = self._prefill(chunk)
-            self.measurements.record_prefill(self.prefill_cost(len(chunk), max(len(r.prompt_ids) for r in chunk)),
-                                             time.perf_counter() - forward_started)
             self.stats.prefill_calls += 1
             kept = []
             for i, request in enumerate(chunk):
@@ -1250,8 +1227,7 @@ class DSparkEngine:
         if self.method == "fixed" or not candidates:
             return candidates
         if self.realized_gate and not self.measurements.drafting_verdict(
-                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget,
-                self._drafting_overhead(len(caps)))[0]:
+                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget)[0]:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
             # about a millisecond, 1-2% of a plain step at 16 requests.

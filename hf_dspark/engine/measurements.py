@@ -24,7 +24,6 @@ EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
 MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
 MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
-PREFILL_WINDOW = 32  # recent prefill forwards behind the seconds per priced prefill token
 
 
 def ema(previous: float | None, value: float) -> float:
@@ -62,9 +61,6 @@ class EngineMeasurements(RealizedGate):
     - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
       mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new
       engine sharing these measurements does not draft every first request just to learn what earlier ones showed;
-    - ``prefill``: ``(priced tokens, seconds)`` of the last ``PREFILL_WINDOW`` prefill forwards, priced by the engine's
-      ``PrefillCost``; ``prefill_seconds_per_token`` is their seconds over their priced tokens (what a prefill
-      forward's fixed price is in seconds on this machine);
     - ``model_checks[(bucket, drafted)]``: for the last ``MODEL_WINDOW`` steps whose drafting decision the engine's
       cost model made, at a power-of-two bucket of batch sizes: ``(predicted tokens, modeled seconds, emitted
       tokens, seconds)``; ``model_factor`` is what they delivered over what the model predicted (in memory only).
@@ -80,7 +76,6 @@ class EngineMeasurements(RealizedGate):
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
-        self.prefill: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
@@ -96,18 +91,6 @@ class EngineMeasurements(RealizedGate):
         self.verify_cost[key] = statistics.median(window)
         self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
-
-    def record_prefill(self, priced_tokens: float, seconds: float) -> None:
-        """One prefill forward: its price in tokens (``PrefillCost``) and its seconds."""
-        if priced_tokens <= 0 or seconds < 0:
-            raise ValueError(f"a prefill forward needs a positive price and a time >= 0, got {priced_tokens}, {seconds}")
-        self.prefill.append((float(priced_tokens), float(seconds)))
-
-    def prefill_seconds_per_token(self) -> float | None:
-        """Seconds per priced token of the recent prefill forwards (total over total), or None before the first."""
-        if not self.prefill:
-            return None
-        return sum(s for _, s in self.prefill) / sum(t for t, _ in self.prefill)
 
     def record_confidences(self, total: list[float], count: int) -> None:
         """Add ``count`` drafts whose per-position confidences sum to ``total``."""
@@ -178,7 +161,6 @@ class EngineMeasurements(RealizedGate):
             "realized": [[rows, drafted, [list(step) for step in window]]
                          for (rows, drafted), window in sorted(self.realized.items())],
             "confidence_prior": [self.confidence_count, self.confidence_sum],
-            "prefill": [list(forward) for forward in self.prefill],
         }
 
     @classmethod
@@ -203,8 +185,6 @@ class EngineMeasurements(RealizedGate):
             count, sums = data["confidence_prior"]
             if sums is not None:
                 out.record_confidences(sums, count)
-        for priced, seconds in data.get("prefill") or []:  # files before it carry none
-            out.record_prefill(priced, seconds)
         out.version = 1 if out.verify_cost else 0
         return out
 
@@ -221,5 +201,5 @@ class EngineMeasurements(RealizedGate):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "PREFILL_WINDOW", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
+__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
            "ema", "measurement_key"]

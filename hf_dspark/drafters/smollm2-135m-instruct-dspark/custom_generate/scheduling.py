@@ -387,7 +387,7 @@ class RealizedGate:
 
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, overhead: float = 0.0) -> bool:
+                         explore_budget: float = EXPLORE_BUDGET) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
         whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
         rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
@@ -409,13 +409,8 @@ class RealizedGate:
         the schedule of a loss measured there (the wait, then the budget, priced by the neighbour's shortfall): the
         neighbour's rounds may have been other work, e.g. the last tokens of a draining batch, whose drafts are
         capped short, and a load that then settles at this size would otherwise never draft again. Drafting wins a
-        verdict only by ``DRAFTING_MARGIN``.
-
-        ``overhead``: seconds per emitted token that drafting costs outside its rounds, which the rounds' timings do
-        not show (the batched engine's price for the shared prefill forwards that drafting's uneven progress splits
-        up, ``DSparkEngine._drafting_overhead``): every comparison uses drafting's rate with it added,
-        ``rate / (1 + overhead * rate)``."""
-        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget, overhead)
+        verdict only by ``DRAFTING_MARGIN``."""
+        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget)
         if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
             self.explore_wait[rows] = explore_interval
         elif action == "remeasure":
@@ -427,7 +422,7 @@ class RealizedGate:
         return allowed
 
     def drafting_verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, overhead: float = 0.0) -> tuple[bool, str | None]:
+                         explore_budget: float = EXPLORE_BUDGET) -> tuple[bool, str | None]:
         """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
         ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
         side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
@@ -437,14 +432,14 @@ class RealizedGate:
         if fresh is not None and fresh < REMEASURE_ROUNDS:
             return True, None  # a re-measurement under way: its verdict comes from its own rounds
         if drafting is None or len(drafting) < VERDICT_ROUNDS:
-            loser = self.nearby_loss(rows, overhead)
+            loser = self.nearby_loss(rows)
             if loser is None:
                 return True, None  # not measured here: free, unless a size it follows lost
             # Presumed to lose here from a size nearby, whose rounds may have been other work (a draining batch's
             # last tokens, their drafts capped short): measure it here too, on the schedule a loss measured here
             # would get, the expected loss priced by the nearby size's rounds.
             return self._remeasure_verdict(rows, loser, self.realized_rate(loser, False), explore_interval,
-                                           max_explore_interval, explore_budget, overhead)
+                                           max_explore_interval, explore_budget)
         plain = self.realized.get((rows, False))
         if plain is None or len(plain) < VERDICT_ROUNDS:
             # Drafting is measured here and plain not yet enough: measure plain now. A plain round costs nothing next
@@ -452,14 +447,13 @@ class RealizedGate:
             return False, None
         plain_rate = self.realized_rate(rows, False)
         fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
-        if self.effective_drafting_rate(rows, overhead) >= DRAFTING_MARGIN * plain_rate:
+        if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
-                                       explore_budget, overhead)
+                                       explore_budget)
 
     def _remeasure_verdict(self, rows: int, priced_by: int, plain_rate: float, explore_interval: int,
-                           max_explore_interval: int, explore_budget: float,
-                           overhead: float = 0.0) -> tuple[bool, str | None]:
+                           max_explore_interval: int, explore_budget: float) -> tuple[bool, str | None]:
         """Drafting loses at ``rows``: re-measure it once the wait is over and the expected loss (``remeasure_loss``
         of the rounds at ``priced_by``, against ``plain_rate``) is within ``explore_budget`` of the plain rounds' time
         since drafting last ran at ``rows`` (or ``max_explore_interval`` rounds have passed)."""
@@ -467,31 +461,29 @@ class RealizedGate:
         if since < self.explore_wait.get(rows, explore_interval):
             return False, None
         if (explore_budget > 0 and since < max_explore_interval
-                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(priced_by, plain_rate,
-                                                                                            overhead)):
+                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(priced_by, plain_rate)):
             return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
         return True, "remeasure"
 
-    def remeasure_loss(self, rows: int, plain_rate: float, overhead: float = 0.0) -> float:
+    def remeasure_loss(self, rows: int, plain_rate: float) -> float:
         """Expected seconds a re-measurement of drafting at ``rows`` loses against plain rounds: ``REMEASURE_ROUNDS``
-        drafting rounds of the window's mean length, times the fraction of them plain rounds would have saved (with
-        drafting's ``overhead`` per token)."""
+        drafting rounds of the window's mean length, times the fraction of them plain rounds would have saved."""
         window = self.realized.get((rows, True))
-        drafting_rate = self.effective_drafting_rate(rows, overhead)
+        drafting_rate = self.drafting_rate(rows)
         if not window or drafting_rate is None or plain_rate <= 0:
             return 0.0
         shortfall = max(0.0, 1.0 - drafting_rate / plain_rate)
         return REMEASURE_ROUNDS * sum(s for _, s in window) / len(window) * shortfall
 
-    def drafting_lost_nearby(self, rows: int, overhead: float = 0.0) -> bool:
+    def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
         largest batch size below ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were
         measured (each at least ``VERDICT_ROUNDS`` times). Below: the budget shrinks as load grows. Above, within a
         factor of two: a batch draining from a size where drafting lost (requests finishing one by one) would
         otherwise pay two drafting rounds at every size on the way down to learn the same thing."""
-        return self.nearby_loss(rows, overhead) is not None
+        return self.nearby_loss(rows) is not None
 
-    def nearby_loss(self, rows: int, overhead: float = 0.0) -> int | None:
+    def nearby_loss(self, rows: int) -> int | None:
         """The batch size whose loss ``drafting_lost_nearby`` finds for ``rows`` (the one below first), or None."""
         measured = [r for (r, drafted), window in self.realized.items()
                     if drafted and r != rows and r <= 2 * rows and len(window) >= VERDICT_ROUNDS
@@ -499,16 +491,9 @@ class RealizedGate:
         below = [r for r in measured if r < rows]
         above = [r for r in measured if r > rows]
         for r in ([max(below)] if below else []) + ([min(above)] if above else []):
-            if self.effective_drafting_rate(r, overhead) < DRAFTING_MARGIN * self.realized_rate(r, False):
+            if self.drafting_rate(r) < DRAFTING_MARGIN * self.realized_rate(r, False):
                 return r
         return None
-
-    def effective_drafting_rate(self, rows: int, overhead: float = 0.0) -> float | None:
-        """``drafting_rate`` with ``overhead`` seconds added per token: ``rate / (1 + overhead * rate)``."""
-        rate = self.drafting_rate(rows)
-        if rate is None or overhead <= 0 or rate <= 0:
-            return rate
-        return 1.0 / (1.0 / rate + overhead)  # an infinite rate (rounds of no time) gives 1 / overhead
 
     def drafting_rate(self, rows: int) -> float | None:
         """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
