@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -246,26 +247,90 @@ def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:
     return path
 
 
+CHECKPOINT_CHUNK = 64  # records rolled out between two checkpoint writes (the batched engine drains at each)
+ROLLOUT_CHECKPOINT = "rollouts.partial.jsonl"  # ``hf-dspark calibrate`` keeps finished records here until it is done
+
+
 def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_tokens: int = 128,
-                     temperature: float = 0.0, seed: int = 0, progress: bool = True, concurrency: int = 1) -> Rollouts:
+                     temperature: float = 0.0, seed: int = 0, progress: bool = True, concurrency: int = 1,
+                     checkpoint: str | Path | None = None, checkpoint_key: dict | None = None) -> Rollouts:
     """Speculative-decoding rollouts of each record's first turn, verifying the WHOLE block every round (so every
     position is observed). Rounds carry their record's index in ``records``.
 
     ``concurrency`` 1 runs ``generate()`` prompt by prompt; above 1 the batched engine (``method="fixed"``) serves
-    that many prompts at once, which is several times faster on a CPU and records the same per-round events."""
+    that many prompts at once, which is several times faster on a CPU and records the same per-round events.
+
+    ``checkpoint``: a JSON-lines file the rounds of every finished record are appended to (``CHECKPOINT_CHUNK``
+    records at a time); a later call with the same file skips the records it holds, so an interrupted calibration
+    resumes instead of starting over. Its first line is the run's key (``checkpoint_key`` plus the records' ids,
+    ``max_new_tokens``, ``temperature`` and ``seed``); a file written for another run is refused."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    done: dict[int, dict] = {}
+    if checkpoint is not None:
+        checkpoint = Path(checkpoint)
+        key = {**(checkpoint_key or {}), "ids": [str(r.get("id", i)) for i, r in enumerate(records)],
+               "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
+        done = _read_checkpoint(checkpoint, key)
+    todo = [i for i in range(len(records)) if i not in done]
+    chunk = CHECKPOINT_CHUNK if checkpoint is not None else max(len(todo), 1)
+    for start in range(0, len(todo), chunk):
+        indices = todo[start:start + chunk]
+        rounds = _rollout_rounds(target, tokenizer, drafter, [records[i] for i in indices], max_new_tokens,
+                                 temperature, seed, progress, concurrency, indices)
+        done.update(zip(indices, rounds))
+        if checkpoint is not None:
+            with open(checkpoint, "a", encoding="utf-8") as f:
+                for index, entry in zip(indices, rounds):
+                    f.write(json.dumps({"index": index, **entry}) + "\n")
     rollouts = Rollouts()
+    for index in range(len(records)):
+        rollouts.extend_from_stats(SimpleNamespace(**done[index]), prompt=index)
+    return rollouts
+
+
+def _read_checkpoint(path: Path, key: dict) -> dict[int, dict]:
+    """The records a rollout checkpoint holds ({index: rounds}); writes the key line when the file is new."""
+    if not path.exists() or path.stat().st_size == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key}) + "\n", encoding="utf-8")
+        return {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    saved = json.loads(lines[0]).get("key") if lines else None
+    if saved != key:
+        differing = sorted(k for k in set(saved or {}) | set(key) if (saved or {}).get(k) != key.get(k))
+        raise ValueError(f"rollout checkpoint {path} was written for another run (differs in {differing}); "
+                         "delete it or write the calibration elsewhere")
+    done = {}
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # a write cut short by the interruption: that record runs again
+                break
+            raise ValueError(f"rollout checkpoint {path}: line {number} is not JSON") from None
+        done[int(entry.pop("index"))] = entry
+    return done
+
+
+def _rollout_rounds(target, tokenizer, drafter, records: list[dict], max_new_tokens: int, temperature: float,
+                    seed: int, progress: bool, concurrency: int, indices: list[int]) -> list[dict]:
+    """Each record's rounds: ``{"confidence_logits", "verified", "accepted"}`` lists. ``indices`` (the records'
+    places in the whole run) seed ``generate()``'s sampling per record, so a resumed run draws what an uninterrupted
+    one would have; the batched engine's draws depend on the batch, so there a resumed sampled run (temperature > 0)
+    draws differently, from the same distribution. Greedy rollouts do not depend on it."""
+    def rounds(stats) -> dict:
+        return {"confidence_logits": [list(map(float, c)) if c else c for c in stats.confidence_logits],
+                "verified": list(map(int, stats.verified)), "accepted": list(map(int, stats.accepted))}
+
     if concurrency > 1:
         from .evaluation.rollouts import batched_rollouts
 
         methods = {"whole block": {"assistant": True, "drafter": drafter, "verification_policy": "fixed"}}
-        results = batched_rollouts(target, tokenizer, records, methods, max_new_tokens, temperature, seed,
-                                   multi_turn=False, concurrency=concurrency, progress=progress,
-                                   desc="calibration rollouts")
-        for index, per_method in enumerate(results):
-            rollouts.extend_from_stats(per_method["whole block"], prompt=index)
-        return rollouts
+        results = batched_rollouts(target, tokenizer, records, methods, max_new_tokens, temperature,
+                                   seed + indices[0], multi_turn=False, concurrency=concurrency,
+                                   progress=progress, desc="calibration rollouts")
+        return [rounds(per_method["whole block"]) for per_method in results]
 
     from tqdm.auto import tqdm
 
@@ -274,14 +339,15 @@ def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_to
                                              return_dict=True)["input_ids"] for record in records]
     saved = (drafter.generation_config.verification_policy, getattr(drafter.generation_config, "num_verify_tokens", None))
     drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = "fixed", None
+    out = []
     try:
-        for index, input_ids in enumerate(tqdm(prompts, desc="calibration rollouts", disable=not progress)):
+        for index, input_ids in zip(indices, tqdm(prompts, desc="calibration rollouts", disable=not progress)):
             kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, assistant_model=drafter)
             if temperature > 0:
                 kwargs.update(temperature=temperature, top_p=None, top_k=None)
             torch.manual_seed(seed * 100_003 + index)
             target.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-            rollouts.extend_from_stats(drafter.last_stats, prompt=index)
+            out.append(rounds(drafter.last_stats))
     finally:
         drafter.generation_config.verification_policy, drafter.generation_config.num_verify_tokens = saved
-    return rollouts
+    return out

@@ -209,6 +209,7 @@ def cmd_calibrate(args) -> int:
     from collections import Counter
 
     from .calibration import (
+        ROLLOUT_CHECKPOINT,
         collect_rollouts,
         cross_validated_sts,
         fit_sts,
@@ -227,12 +228,15 @@ def cmd_calibrate(args) -> int:
     records = [r for r in records if r["id"] not in excluded]
     records = sample_prompts(records, args.num_prompts, args.sampling, args.seed)
     drafter.config.confidence_temperatures = None
+    output = Path(args.output)
+    checkpoint = output / ROLLOUT_CHECKPOINT  # finished records survive an interruption; a rerun resumes
     rollouts = collect_rollouts(target, tokenizer, drafter, records, args.max_new_tokens, args.temperature, args.seed,
-                                concurrency=args.concurrency)
+                                concurrency=args.concurrency, checkpoint=checkpoint,
+                                checkpoint_key={"drafter": str(origin), "prompts": [str(p) for p in args.prompts],
+                                                "dtype": args.dtype})
     fit = fit_sts(rollouts)
     if args.cv_folds:
         fit["cross_validation"] = cross_validated_sts(rollouts, args.cv_folds, seed=args.seed)
-    output = Path(args.output)
     output.mkdir(parents=True, exist_ok=True)
     drafter.config.confidence_temperatures = fit["temperatures"]
     drafter.save_pretrained(output)
@@ -246,6 +250,7 @@ def cmd_calibrate(args) -> int:
                      "seed": args.seed, "concurrency": args.concurrency, "sampling": args.sampling,
                      "cv_folds": args.cv_folds},
         "sets": dict(sorted(Counter(r["set"] for r in records).items()))}, indent=2))
+    checkpoint.unlink()  # the report holds every round now
     fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
     heldout = fit.get("cross_validation", {}).get("ece_after") or [None] * len(fit["temperatures"])
     for k, (t, before, after, cv, auc) in enumerate(zip(fit["temperatures"], fit["ece_before"], fit["ece_after"],
@@ -551,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=None)
     cal.add_argument("--concurrency", type=int, default=16,
                      help="prompts rolled out at once by the batched engine (1: generate() prompt by prompt)")
-    cal.add_argument("--output", required=True, help="folder for the calibrated drafter, sts.json, plot")
+    cal.add_argument("--output", required=True,
+                     help="folder for the calibrated drafter, sts.json, plot; finished rollouts are kept in "
+                          "OUTPUT/rollouts.partial.jsonl until the end, and a rerun resumes from them")
     cal.set_defaults(func=cmd_calibrate)
 
     ev = sub.add_parser("eval", help="evaluation report: tau, position-wise acceptance, threshold sweep, "

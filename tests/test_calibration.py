@@ -133,3 +133,51 @@ def test_batched_rollouts_record_the_same_rounds_as_generate(tiny_targets, train
     assert torch.allclose(torch.tensor(batched.confidence_logits), torch.tensor(single.confidence_logits), atol=1e-4)
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         collect_rollouts(target, tokenizer, drafter, records, concurrency=0)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_rollouts_resume_from_their_checkpoint(tiny_targets, trained_drafters, tmp_path, monkeypatch, concurrency):
+    """An interrupted calibration keeps its finished records: a rerun with the same checkpoint rolls out only the
+    rest, and ends with exactly the rounds of an uninterrupted run. A half-written last line (the interruption) is
+    rolled out again; a checkpoint of another run is refused."""
+    import json
+
+    import hf_dspark.calibration as calibration
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    tokenizer = _ByteChat(target.config.vocab_size)
+    records = [{"id": f"r{i}", "turns": [text]} for i, text in enumerate(
+        ("a short one", "a rather longer prompt than that", "mid size", "and one more", "last"))]
+    whole = calibration.collect_rollouts(target, tokenizer, drafter, records, max_new_tokens=10, progress=False,
+                                         concurrency=concurrency)
+    monkeypatch.setattr(calibration, "CHECKPOINT_CHUNK", 2)
+    path = tmp_path / "rollouts.partial.jsonl"
+    rolled = []
+    original = calibration._rollout_rounds
+
+    def counting(*args):
+        rolled.extend(args[-1])  # the records' indices
+        if len(rolled) > 2:
+            raise KeyboardInterrupt  # interrupted during the second chunk
+        return original(*args)
+
+    monkeypatch.setattr(calibration, "_rollout_rounds", counting)
+    with pytest.raises(KeyboardInterrupt):
+        calibration.collect_rollouts(target, tokenizer, drafter, records, max_new_tokens=10, progress=False,
+                                     concurrency=concurrency, checkpoint=path, checkpoint_key={"drafter": "tiny"})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["key"]["ids"] == ["r0", "r1", "r2", "r3", "r4"]
+    path.write_text("\n".join(lines[:2]) + "\n" + lines[2][:15])  # the last record's line was cut short
+    rolled.clear()
+    monkeypatch.setattr(calibration, "_rollout_rounds", original)
+    spy = []
+    monkeypatch.setattr(calibration, "_rollout_rounds", lambda *args: spy.extend(args[-1]) or original(*args))
+    resumed = calibration.collect_rollouts(target, tokenizer, drafter, records, max_new_tokens=10, progress=False,
+                                           concurrency=concurrency, checkpoint=path, checkpoint_key={"drafter": "tiny"})
+    assert spy == [1, 2, 3, 4]  # record 0 was kept; record 1's line was cut short
+    assert resumed.verified == whole.verified and resumed.accepted == whole.accepted
+    assert resumed.prompts == whole.prompts
+    assert torch.allclose(torch.tensor(resumed.confidence_logits), torch.tensor(whole.confidence_logits), atol=1e-4)
+    with pytest.raises(ValueError, match="written for another run .*max_new_tokens"):
+        calibration.collect_rollouts(target, tokenizer, drafter, records, max_new_tokens=12, progress=False,
+                                     checkpoint=path, checkpoint_key={"drafter": "tiny"})
