@@ -382,7 +382,7 @@ def cmd_bench_serve(args) -> int:
     from pathlib import Path
 
     from .defaults import load_drafter_for
-    from .engine.bench import bench_serve, encode_prompts, parse_method, plot_bench
+    from .engine.bench import bench_serve, encode_prompts, measurements_from_report, parse_method, plot_bench
     from .prompts import load_prompts
 
     for method in args.methods:
@@ -402,13 +402,16 @@ def cmd_bench_serve(args) -> int:
         data = json.loads(Path(args.sps).read_text())
         data = data.get("profile", data)  # hf-dspark profile's cache file wraps the curve
         sps = BatchedStepsPerSecond.from_dict(data) if "curves" in data else StepsPerSecond.from_dict(data)
+    if args.measurements and args.cold_engines:
+        raise ValueError("--measurements gives the scheduled engines a start; --cold-engines starts each from nothing")
+    start = measurements_from_report(args.measurements, args.methods) if args.measurements else None
     prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
     report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          schedule=args.schedule, sps=sps, seed=args.seed, repeats=args.repeats,
-                         warmup=not args.no_warmup, share_measurements=not args.cold_engines,
+                         warmup=not args.no_warmup, share_measurements=not args.cold_engines, measurements=start,
                          log=lambda line: print(line, flush=True))
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
@@ -666,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cold-engines", action="store_true",
                        help="start every scheduled run from no timings (a fresh server) instead of sharing one "
                             "method's measurements across its warm-up and runs (a long-lived server)")
+    serve.add_argument("--measurements", default=None,
+                       help="start the scheduled engines from what an earlier bench-serve report (or an engine "
+                            "measurements file) measured: a server that has learned this machine already")
     serve.add_argument("--output", default=None, help="write the JSON report here (and the plot next to it)")
     serve.add_argument("--plot", default=None, help="PNG path (default: --output with .png; needs 2+ concurrencies)")
     serve.set_defaults(func=cmd_bench_serve)

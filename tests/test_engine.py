@@ -935,6 +935,32 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
     cold = bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
                        share_measurements=False, log=lambda line: None)
     assert cold["measurements"] == {}
+    # A later bench starts where this report's engines left off (a server that learned the machine already)
+    import json
+
+    from hf_dspark.engine.bench import measurements_from_report
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    start = measurements_from_report(path, ["plain", "scheduled", "scheduled=topk"])
+    assert set(start) == {"scheduled", "scheduled=topk"}
+    assert start["scheduled"].to_dict()["realized"] == report["measurements"]["scheduled"]["realized"]
+    warm = bench_serve(target, drafter, prompts, ["scheduled"], [3], max_new_tokens=4, sps=DECREASING_SPS,
+                       warmup=False, measurements={"scheduled": start["scheduled"]}, log=lambda line: None)
+    before = {(rows, drafted): len(w) for rows, drafted, w in report["measurements"]["scheduled"]["realized"]}
+    after = {(rows, drafted): len(w) for rows, drafted, w in warm["measurements"]["scheduled"]["realized"]}
+    assert all(after.get(key, 0) >= n for key, n in before.items())  # it kept what it started from, and added
+    saved = tmp_path / "engine.json"
+    start["scheduled"].save(saved)
+    assert set(measurements_from_report(saved, ["scheduled", "scheduled=prefix"])) == {"scheduled", "scheduled=prefix"}
+    with pytest.raises(ValueError, match="not for method"):
+        measurements_from_report(path, ["scheduled=prefix"])
+    with pytest.raises(ValueError, match="not scheduled methods"):
+        bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+                    measurements={"plain": start["scheduled"]}, log=lambda line: None)
+    with pytest.raises(ValueError, match="share_measurements"):
+        bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+                    share_measurements=False, measurements={"scheduled": start["scheduled"]}, log=lambda line: None)
 
 
 def test_against_baseline():

@@ -69,6 +69,30 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
                      f"each with optional ,hold=H and ,prefill=F")
 
 
+def measurements_from_report(path, methods: list[str]) -> dict:
+    """``{method: EngineMeasurements}`` for the scheduled ``methods`` from a bench-serve report's ``measurements``
+    (each method from its own entry, or from the report's only one), or from one ``EngineMeasurements.save`` file
+    (every scheduled method starts from a copy of it)."""
+    import json
+
+    from .measurements import EngineMeasurements
+
+    data = json.loads(Path(path).read_text())
+    scheduled = [m for m in methods if parse_method(m)["method"] == "scheduled"]
+    if "key" in data:  # one EngineMeasurements file
+        return {m: EngineMeasurements.from_dict(data) for m in scheduled}
+    saved = data.get("measurements") or {}
+    if not saved:
+        raise ValueError(f"{path}: neither a bench-serve report with measurements nor an engine measurements file")
+    out = {}
+    for m in scheduled:
+        entry = saved.get(m) or (next(iter(saved.values())) if len(saved) == 1 else None)
+        if entry is None:
+            raise ValueError(f"{path} has measurements for {sorted(saved)}, not for method {m!r}")
+        out[m] = EngineMeasurements.from_dict(entry)
+    return out
+
+
 def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
                    seed: int = 0) -> list[tuple[str, list[int]]]:
     """First turns of ``num_prompts`` records (shuffled with ``seed``), chat-templated: ``[(id, token ids)]``."""
@@ -208,7 +232,7 @@ def _sync(model) -> None:
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                 schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
-                share_measurements: bool = True, log=print) -> dict:
+                share_measurements: bool = True, measurements: dict | None = None, log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
     ``repeats`` > 1 runs the methods of each concurrency round-robin that many times (each repeat starting one method
@@ -226,6 +250,10 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     ``share_measurements`` (scheduled methods): each method's engines share one ``EngineMeasurements`` across the
     warm-up and every run, as a long-lived server keeps what it has measured (drafter and verify costs, and what
     drafting delivered at each batch size); False starts every run from nothing, as a freshly started server.
+
+    ``measurements``: ``{method: EngineMeasurements}`` a scheduled method starts from instead of nothing (with
+    ``share_measurements``), e.g. what an earlier report measured (``measurements_from_report``): a server that has
+    already learned this machine, without the runs that learn it. The objects are added to.
     """
     if not prompts:
         raise ValueError("no prompts to replay")
@@ -249,7 +277,13 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                                       hidden_state_indices=drafter.target_hidden_states_indices())
     from .measurements import EngineMeasurements
 
-    measured = {name: EngineMeasurements() for name, spec in specs.items()
+    measurements = measurements or {}
+    unknown = sorted(set(measurements) - {n for n, spec in specs.items() if spec["method"] == "scheduled"})
+    if unknown:
+        raise ValueError(f"starting measurements for {unknown}, which are not scheduled methods of this run")
+    if measurements and not share_measurements:
+        raise ValueError("starting measurements need share_measurements (a cold engine starts from nothing)")
+    measured = {name: measurements.get(name) or EngineMeasurements() for name, spec in specs.items()
                 if share_measurements and spec["method"] == "scheduled"}
     if warmup:
         for name, spec in specs.items():
@@ -331,4 +365,4 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 
 __all__ = ["add_measurement_arguments", "against_baseline", "bench_serve", "encode_prompts", "load_measurement_setup",
-           "parse_method", "plot_bench", "run_once", "serve"]
+           "measurements_from_report", "parse_method", "plot_bench", "run_once", "serve"]
