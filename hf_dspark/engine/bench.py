@@ -278,13 +278,14 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}
-    unknown = sorted(set(measurements) - {n for n, spec in specs.items() if spec["method"] == "scheduled"})
+    scheduled = [name for name, spec in specs.items() if spec["method"] == "scheduled"]
+    unknown = sorted(set(measurements) - set(scheduled))
     if unknown:
         raise ValueError(f"starting measurements for {unknown}, which are not scheduled methods of this run")
     if measurements and not share_measurements:
         raise ValueError("starting measurements need share_measurements (a cold engine starts from nothing)")
-    measured = {name: measurements.get(name) or EngineMeasurements() for name, spec in specs.items()
-                if share_measurements and spec["method"] == "scheduled"}
+    measured = ({name: measurements.get(name) or EngineMeasurements() for name in scheduled}
+                if share_measurements else {})
     if warmup:
         for name, spec in specs.items():
             run_once(target, drafter, prompts[:2], SamplingParams(max_new_tokens=8), 2, spec, sps, seed,

@@ -322,10 +322,8 @@ class OnlineSurvivalCorrection:
 
 REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
 REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
-# Rounds each side needs at a batch size before a verdict there. One plain round against two drafting ones let a
-# lucky first comparison keep drafting on for a whole ``explore_interval`` (SmolLM2 at 16 requests, bf16: 14 drafting
-# rounds of the first run at 0.95x the plain rounds' rate), and a drafting round's lead is paid again later in the
-# batch's desynchronised joins.
+# Rounds each side needs at a batch size before a verdict there. With one plain round against two drafting ones, a
+# single plain step's timing decided whether drafting ran for a whole ``explore_interval``.
 VERDICT_ROUNDS = 2
 # Drafting wins a verdict only when it delivers this much more than plain rounds. A re-measurement is judged on a
 # few rounds, and drafting that truly loses by 10% (SmolLM2 at 16 requests) still "wins" some of them by chance; a
