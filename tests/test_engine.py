@@ -714,6 +714,24 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
         EngineMeasurements.from_dict({"key": {}})
 
 
+def test_measurements_know_a_local_checkpoint_by_relative_or_absolute_path(tmp_path, monkeypatch):
+    """Measurements keyed by a drafter folder named relatively (bench-serve run from the repository) bind to the same
+    folder named absolutely (a script that resolved it), and the other way round; another folder is refused."""
+    from hf_dspark.engine import EngineMeasurements
+
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    key = {"model": "target", "drafter": "drafter", "threads": 2}
+    absolute = {**key, "drafter": str(tmp_path / "drafter")}
+    EngineMeasurements(dict(key)).bind(absolute)
+    EngineMeasurements(dict(absolute)).bind(key)
+    with pytest.raises(ValueError, match="other conditions.*drafter"):
+        EngineMeasurements(dict(key)).bind({**key, "drafter": str(tmp_path / "other")})
+    with pytest.raises(ValueError, match="other conditions.*threads"):
+        EngineMeasurements(dict(key)).bind({**absolute, "threads": 4})
+
+
 def test_verify_prices_are_medians_of_recent_timings():
     """A verify price is the median of its last ``VERIFY_WINDOW`` timings: one hiccup does not move it, a lasting
     change does; the timings behind it count up to the window."""

@@ -44,6 +44,14 @@ def measurement_key(target, drafter) -> dict:
     return key
 
 
+def _comparable(field: str, value):
+    """A key's value as compared: a model or drafter named by a local folder by that folder's real path, so the same
+    checkpoint named relatively (from one working directory) and absolutely (from a script) is one setup."""
+    if field in ("model", "drafter") and isinstance(value, str) and value and os.path.isdir(value):
+        return os.path.realpath(value)
+    return value
+
+
 class EngineMeasurements(RealizedGate):
     """An engine's recent step timings, shareable across engines and savable as JSON.
 
@@ -146,7 +154,8 @@ class EngineMeasurements(RealizedGate):
         if self.key is None:
             self.key = dict(key)
             return
-        differing = sorted(k for k in set(self.key) | set(key) if self.key.get(k) != key.get(k))
+        differing = sorted(k for k in set(self.key) | set(key)
+                           if _comparable(k, self.key.get(k)) != _comparable(k, key.get(k)))
         if differing:
             details = ", ".join(f"{k}: {self.key.get(k)!r} vs now {key.get(k)!r}" for k in differing)
             raise ValueError(f"these engine measurements were taken under other conditions ({details}); "
