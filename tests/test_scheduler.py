@@ -526,3 +526,29 @@ def test_policy_online_correction_learns_overconfidence():
         plain.num_to_verify(conf, 2)
         plain.observe(1, 0)
     assert plain.num_to_verify(conf, 2) == 1
+
+
+def test_realized_gate_measures_drafting_on_representative_rounds_only():
+    """A round marked unrepresentative (most requests at their first step after the prompt, whose drafts are
+    accepted far more often than later ones) never measures drafting: not while drafting is unmeasured, not to start
+    a re-measurement, not inside one; it waits, changing nothing. A verdict already measured holds for it."""
+    gate = RealizedGate()
+    assert not gate.drafting_allowed(16, 16, 256, 0, representative=False)  # unmeasured: wait for a later round
+    assert gate.drafting_verdict(16, 16, 256, 0, representative=False) == (False, None)
+    assert gate.drafting_allowed(16, 16, 256, 0)  # the next, representative round measures
+    won = RealizedGate()
+    for drafted, tokens in ((True, 40), (True, 40), (False, 16), (False, 16)):
+        won.record_step(16, drafted, tokens, 1.0)
+    assert won.drafting_allowed(16, 16, 256, 0, representative=False)  # drafting measured to win: it drafts
+    lost = RealizedGate()
+    for drafted, tokens in ((True, 10), (True, 10), (False, 16), (False, 16)):
+        lost.record_step(16, drafted, tokens, 1.0)
+    for _ in range(16):
+        lost.record_step(16, False, 16, 1.0)  # the wait for a re-measurement is over
+    assert lost.drafting_verdict(16, 16, 256, 0) == (True, "remeasure")
+    assert not lost.drafting_allowed(16, 16, 256, 0, representative=False)
+    assert 16 not in lost.fresh_rounds  # no re-measurement started
+    assert lost.drafting_allowed(16, 16, 256, 0) and lost.fresh_rounds[16] == 0  # it starts on the next round
+    assert not lost.drafting_allowed(16, 16, 256, 0, representative=False)  # and skips an unrepresentative one
+    lost.record_step(16, False, 16, 1.0)
+    assert lost.fresh_rounds[16] == 0 and lost.drafting_allowed(16, 16, 256, 0)

@@ -385,7 +385,7 @@ class RealizedGate:
 
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET) -> bool:
+                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
         whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
         rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
@@ -407,8 +407,15 @@ class RealizedGate:
         the schedule of a loss measured there (the wait, then the budget, priced by the neighbour's shortfall): the
         neighbour's rounds may have been other work, e.g. the last tokens of a draining batch, whose drafts are
         capped short, and a load that then settles at this size would otherwise never draft again. Drafting wins a
-        verdict only by ``DRAFTING_MARGIN``."""
-        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget)
+        verdict only by ``DRAFTING_MARGIN``.
+
+        ``representative=False`` marks a round unlike most (the engine: one where most requests take their first
+        step after the prompt, whose drafts are accepted about twice as often as later ones): it drafts only on a
+        verdict already measured, never as one of the few rounds that measure drafting (unmeasured, or re-measured),
+        which wait for the next round instead. Two such rounds would make a verdict that later rounds overturn only
+        after drafting has lost through a window of them."""
+        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget,
+                                                representative)
         if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
             self.explore_wait[rows] = explore_interval
         elif action == "remeasure":
@@ -420,11 +427,18 @@ class RealizedGate:
         return allowed
 
     def drafting_verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET) -> tuple[bool, str | None]:
+                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True) -> tuple[bool, str | None]:
         """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
         ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
         side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
         drafting decision costs when the gate rules drafting out anyway."""
+        allowed, action = self._verdict(rows, explore_interval, max_explore_interval, explore_budget)
+        if allowed and action != "reset" and not representative:
+            return False, None  # a round that would measure drafting: wait for a representative one
+        return allowed, action
+
+    def _verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
+                 explore_budget: float) -> tuple[bool, str | None]:
         drafting = self.realized.get((rows, True))
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
