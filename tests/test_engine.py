@@ -716,6 +716,23 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
         EngineMeasurements.from_dict({"key": {}})
 
 
+def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gate(tiny_targets, trained_drafters):
+    """The step where every request takes its first step after the prompt neither drafts to measure drafting (nothing
+    is measured yet) nor is recorded in the gate's windows; the next step drafts and is recorded. Exact outputs."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 2)
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
+    assert engine.realized_gate
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    engine.step()
+    assert engine.stats.drafting == [0] and engine.measurements.realized == {}
+    engine.step()
+    assert engine.stats.drafting[-1] == 2 and len(engine.measurements.realized[(2, True)]) == 1
+    engine.run()
+    for request_id, prompt in zip(ids, prompts):
+        assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
+
+
 def test_measurements_know_a_local_checkpoint_by_relative_or_absolute_path(tmp_path, monkeypatch):
     """Measurements keyed by a drafter folder named relatively (bench-serve run from the repository) bind to the same
     folder named absolutely (a script that resolved it), and the other way round; another folder is refused."""

@@ -883,6 +883,7 @@ class DSparkEngine:
             return events
         rows = self._rows
         caps = [min(self.block_size, r.remaining - 1) for r in rows]
+        representative = self._representative()
 
         if self.method == "scheduled":
             self._profiled_table(len(rows))  # a first profile (cached afterwards) is not part of any step's time
@@ -971,7 +972,7 @@ class DSparkEngine:
         self.stats.verify_s += t2 - t1
         seconds = time.perf_counter() - t0
         self.stats.seconds.append(seconds)
-        if self.realized_gate:  # what the whole step delivered
+        if self.realized_gate and representative:  # what the whole step delivered (a first step is not typical)
             self.measurements.record_step(len(rows), bool(drafting), emitted, seconds)
         if checked and drafting and self._prediction is not None:
             self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
@@ -988,7 +989,8 @@ class DSparkEngine:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
         after the prompt. Those drafts are accepted about twice as often (SmolLM2's embedded drafter at 16 requests:
         73% of first drafted tokens against 35-45% later, a response's opening being the most predictable text), so
-        a drafting verdict measured on them, two rounds, says "draft" where later steps lose."""
+        a drafting verdict measured on them, two rounds, says "draft" where later steps lose. Nor do they enter the
+        gate's windows: a re-measurement that drafted through a batch's first step would be judged on it."""
         return not self._rows or 2 * sum(len(request.tokens) <= 1 for request in self._rows) < len(self._rows)
 
     # --------------------------------------------------------------------------------------------------------------
