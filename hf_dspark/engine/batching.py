@@ -988,7 +988,7 @@ class DSparkEngine:
     def _representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
         after the prompt. Those drafts are accepted about twice as often (SmolLM2's embedded drafter at 16 requests:
-        73% of first drafted tokens against 35-45% later, a response's opening being the most predictable text), so
+        73% of first drafted tokens against 30-56% later, a response's opening being the most predictable text), so
         a drafting verdict measured on them, two rounds, says "draft" where later steps lose. Nor do they enter the
         gate's windows: a re-measurement that drafted through a batch's first step would be judged on it."""
         return not self._rows or 2 * sum(len(request.tokens) <= 1 for request in self._rows) < len(self._rows)
