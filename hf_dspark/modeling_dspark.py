@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -274,7 +275,9 @@ class DSparkDraft:
       vocabulary (the full vocabulary unless ``draft_vocab_size`` is set).
     - ``draft_ids`` [batch, g]: the sampled (or greedy) draft tokens.
     - ``draft_logits`` [batch, g, V]: the logits each draft token was sampled from, after the sequential head and
-      every logits processor; ``softmax(draft_logits)`` is exactly q for rejection sampling.
+      every logits processor; ``softmax(draft_logits)`` is exactly q for rejection sampling. With a draft
+      vocabulary they are scattered into the full vocabulary on first access (``sampled_logits`` holds them over
+      the draft vocabulary until then): greedy callers that never read them skip a [batch, g, V] fill.
     - ``confidence_logits`` / ``confidences`` [batch, g]: calibrated per-position acceptance confidence c_k
       (None without a confidence head).
     - ``hidden_states`` [batch, g, d]: the block's final hidden states.
@@ -282,11 +285,22 @@ class DSparkDraft:
 
     base_logits: torch.Tensor
     draft_ids: torch.Tensor
-    draft_logits: torch.Tensor
+    sampled_logits: torch.Tensor
     hidden_states: torch.Tensor
     confidence_logits: torch.Tensor | None = None
     confidences: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
+    to_full_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def draft_logits(self) -> torch.Tensor:
+        if self.to_full_vocab is not None:
+            self.sampled_logits, self.to_full_vocab = self.to_full_vocab(self.sampled_logits), None
+        return self.sampled_logits
+
+    @draft_logits.setter
+    def draft_logits(self, value: torch.Tensor) -> None:
+        self.sampled_logits, self.to_full_vocab = value, None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -624,8 +638,6 @@ class DSparkDrafter(DSparkPreTrainedModel):
             token = draft_vocab[index] if (in_draft_space and draft_vocab is not None) else index
             sequence = torch.cat([sequence, token], dim=-1)
         draft_logits = torch.stack(steps, dim=1)
-        if in_draft_space:
-            draft_logits = self.to_full_vocab(draft_logits)
         draft_ids = sequence[:, -base_logits.shape[1] :]
         prev_ids = torch.cat([anchor_ids, draft_ids[:, :-1]], dim=-1)
         confidence_logits = self.confidence_logits(hidden, prev_ids)
@@ -633,10 +645,11 @@ class DSparkDrafter(DSparkPreTrainedModel):
         return DSparkDraft(
             base_logits=base_logits,
             draft_ids=draft_ids,
-            draft_logits=draft_logits,
+            sampled_logits=draft_logits,
             hidden_states=hidden,
             confidence_logits=confidence_logits,
             confidences=confidences,
+            to_full_vocab=self.to_full_vocab if in_draft_space and self.draft_vocab is not None else None,
         )
 
     # ----------------------------------------------------------------------------------------------------------

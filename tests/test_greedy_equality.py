@@ -214,7 +214,12 @@ def test_draft_vocabulary_subset_is_lossless(tiny_targets, family, head):
     for prompt in random_prompts(2, 7, target.config.vocab_size, seed=4):
         assert_same_greedy(target, drafter, prompt, max_new_tokens=16)
     draft = drafter.draft(torch.tensor([5]), 0 + 4, torch.zeros(1, 4, 128))
+    # the full-vocabulary logits are built only when read (greedy callers never pay for them), from exactly the
+    # draft-vocabulary logits the tokens were picked from
+    assert draft.to_full_vocab is not None and draft.sampled_logits.shape[-1] == 40
+    assert torch.equal(drafter.draft_vocab[draft.sampled_logits.argmax(-1)], draft.draft_ids)
     assert draft.base_logits.shape[-1] == 40 and draft.draft_logits.shape[-1] == target.config.vocab_size
+    assert draft.to_full_vocab is None and draft.sampled_logits is draft.draft_logits  # built once, then kept
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[drafter.draft_vocab] = False
     assert torch.isinf(draft.draft_logits[0, :, outside]).all()  # q = 0 outside the draft vocabulary
