@@ -636,6 +636,46 @@ def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
         engine._drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
 
 
+def _fake_request(index: int, probe_wait: int = 4):
+    """An active request past its first step (the realized gate counts its steps), for the drafting decision alone."""
+    from hf_dspark.engine.batching import _Request
+    from hf_dspark.generation import DSparkStats
+
+    return _Request(str(index), [1, 2, 3], SamplingParams(max_new_tokens=16), frozenset(), DSparkStats(4), 0.0,
+                    tokens=[5, 6, 7], length=5, probe_wait=probe_wait)
+
+
+def test_measured_drafting_win_outranks_the_cost_model_and_probes_are_checked(monkeypatch):
+    """Where whole steps have measured drafting faster than plain at a batch size, a step drafts even when the cost
+    model's guess from stale confidences says it would not pay (that model, checked only on its own picks, learns its
+    optimism and stops drafting where fixed-length drafting wins). Where drafting is not measured yet, the model
+    decides; and a step that drafts only because probes are due still carries the model's prediction, so what it
+    delivers checks the model too."""
+    target = make_target("llama")
+    engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, probe_interval=4)
+    engine._rows = [_fake_request(i) for i in range(2)]
+    engine.measurements.record_draft(2, 0.01)
+    for request in engine._rows:
+        request.last_confidences = request.smoothed_confidences = [0.9] * engine.block_size
+    monkeypatch.setattr(DSparkEngine, "_drafting_pays", lambda self, *args, **kwargs: False)
+    assert engine._drafting_rows([3, 3], None) == []  # unmeasured: the (pessimistic) model skips
+    for drafted, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 2, 0.04), (False, 2, 0.04)):
+        engine.measurements.record_step(2, drafted, emitted=emitted, seconds=seconds)  # 80 tok/s against 50
+    assert engine._drafting_rows([3, 3], None) == [0, 1]  # measured win: drafts whatever the model guesses
+
+    monkeypatch.undo()
+    probing = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, realized_gate=False,
+                           probe_interval=2)
+    probing._rows = [_fake_request(i, probe_wait=2) for i in range(2)]
+    probing.measurements.record_draft(2, 10.0)  # a drafter so slow that the model never drafts by itself
+    for request in probing._rows:
+        request.last_confidences = request.smoothed_confidences = [0.9] * probing.block_size
+    assert probing._drafting_rows([3, 3], None) == [] and probing._prediction is None
+    probing._rows[1].idle_steps = 2  # its probe is due
+    assert probing._drafting_rows([3, 3], None) == [0, 1]
+    assert probing._prediction is not None and probing._prediction[1] > 10.0  # priced with the drafter's cost
+
+
 @pytest.fixture
 def slow_catch_up(tiny_targets, monkeypatch):
     """Drafting made to cost more than the model of ``cost_aware`` knows: the drafter context's catch-up sleeps, while
@@ -892,6 +932,30 @@ def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypat
     monkeypatch.setattr(profiling, "measure_batched_steps_per_second", no_measuring)
     again = profiling.load_or_profile_batched(target, [3], 2, folder=tmp_path, context_length=8, repeats=1)
     assert list(again.curves) == [3] and again.curves[3].to_dict() == sps.curves[3].to_dict()
+
+
+def test_batched_profile_prices_each_width_by_its_fastest_repeat(tiny_targets, monkeypatch):
+    """A shared machine's noise only adds time: a spell of slow forwards during most repeats of one width (here 50 ms
+    added to three of five 4-token forwards) must not make that width look expensive, as a median would."""
+    import time
+
+    import hf_dspark.profiling as profiling
+
+    target = tiny_targets["llama"]
+    forward, calls = target.forward, {}
+
+    def noisy_forward(*args, **kwargs):
+        q = kwargs["input_ids"].shape[1]
+        calls[q] = calls.get(q, 0) + 1
+        if q == 4 and calls[q] in (3, 4, 5):  # the warm-up round is call 1
+            time.sleep(0.05)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", noisy_forward)
+    sps, raw = profiling.measure_batched_steps_per_second(target, 1, [1, 4], context_length=8, repeats=5)
+    assert sum(t > 0.05 for t in raw["4"]) == 3  # the spell was timed ...
+    one, four = sps.steps_per_sec
+    assert one / four < 3  # ... and left out: the median would price 4 tokens at 50 ms, 10x a tiny model's step
 
 
 def test_first_profile_is_not_timed_as_a_step(tiny_targets, monkeypatch):

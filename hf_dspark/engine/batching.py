@@ -1235,13 +1235,20 @@ class DSparkEngine:
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
         if self.method == "fixed" or not candidates:
             return candidates
-        if self.realized_gate and not self.measurements.drafting_verdict(
+        measured_win = False
+        if self.realized_gate:
+            allowed, action = self.measurements.drafting_verdict(
                 len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget,
-                self._representative())[0]:
-            # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
-            # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
-            # about a millisecond, 1-2% of a plain step at 16 requests.
-            return []
+                self._representative())
+            if not allowed:
+                # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
+                # gate, asked below only once rows are chosen, would refuse them): skip the confidences and
+                # schedules, about a millisecond, 1-2% of a plain step at 16 requests.
+                return []
+            # Whole steps at this batch size have measured drafting faster than plain: the measurement outranks the
+            # cost model's per-step guess (which, skipping the steps whose stale confidences look worst, would keep
+            # only its own picks in the gate's drafting window, and lose the steps it misjudges).
+            measured_win = action == "reset"
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
@@ -1252,11 +1259,16 @@ class DSparkEngine:
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
         due = [i for i in candidates  # new requests, and probes of requests skipped for a while
                if not known[i] or self._rows[i].idle_steps >= self._rows[i].probe_wait]
-        if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
+        if (worth and not due and self.cost_aware and not measured_win
+                and not self._drafting_pays(stale, predicted, table, len(worth))):
             return []
         chosen = sorted(set(worth) | set(due))
-        if due:
-            self._prediction = None  # probes and new requests draft whatever the model says: not its decision
+        if due and self.cost_aware and not measured_win:
+            # Probes and new requests draft whatever the model says, but its prediction for the step is still
+            # checked against what the step delivers: checked only on the steps it chose to draft (those whose stale
+            # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
+            # next drafts fall back toward the mean) and, with the factor pulled down, stop drafting for good.
+            self._drafting_pays(stale, predicted, table, len(chosen), keep_prediction=True)
         if not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
@@ -1278,12 +1290,14 @@ class DSparkEngine:
         schedule = "prefix" if self.schedule == "topk" else self.schedule  # top-K pays R + K tokens, as "prefix"
         return bool(schedule_batch(certain, caps, table, schedule).any())
 
-    def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int) -> bool:
+    def _drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int,
+                       keep_prediction: bool = False) -> bool:
         """Whether drafting ``rows`` requests is expected to beat plain decoding this step, from the stale
         prediction (``predicted`` lengths, survivals of ``stale`` confidences) and the drafter's measured cost, each
         side's expected rate scaled by what its recent steps delivered against this model's prediction for them
-        (``EngineMeasurements.model_factor``). When it says "draft", its prediction (tokens, seconds) is kept for
-        the step to check against what it delivers."""
+        (``EngineMeasurements.model_factor``). When it says "draft" (or ``keep_prediction``: the step drafts anyway),
+        its prediction (tokens, seconds) is kept for the step to check against what it delivers."""
+        self._prediction = None
         cost = self.measurements.draft_cost.get(_bucket(rows))
         if cost is None:
             return True  # not measured yet: draft, and measure
@@ -1300,7 +1314,7 @@ class DSparkEngine:
         drafting = (num_requests + gain) / seconds * self.measurements.model_factor(bucket, True)
         plain = num_requests * float(table[num_requests]) * self.measurements.model_factor(bucket, False)
         pays = drafting > plain
-        self._prediction = (num_requests + gain, seconds) if pays else None
+        self._prediction = (num_requests + gain, seconds) if pays or keep_prediction else None
         return pays
 
     def _draft(self, rows: list[int]) -> _Drafts:
