@@ -1235,20 +1235,13 @@ class DSparkEngine:
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
         if self.method == "fixed" or not candidates:
             return candidates
-        measured_win = False
-        if self.realized_gate:
-            allowed, action = self.measurements.drafting_verdict(
+        if self.realized_gate and not self.measurements.drafting_verdict(
                 len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget,
-                self._representative())
-            if not allowed:
-                # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
-                # gate, asked below only once rows are chosen, would refuse them): skip the confidences and
-                # schedules, about a millisecond, 1-2% of a plain step at 16 requests.
-                return []
-            # Whole steps at this batch size have measured drafting faster than plain: the measurement outranks the
-            # cost model's per-step guess (which, skipping the steps whose stale confidences look worst, would keep
-            # only its own picks in the gate's drafting window, and lose the steps it misjudges).
-            measured_win = action == "reset"
+                self._representative())[0]:
+            # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
+            # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
+            # about a millisecond, 1-2% of a plain step at 16 requests.
+            return []
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
@@ -1259,11 +1252,10 @@ class DSparkEngine:
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
         due = [i for i in candidates  # new requests, and probes of requests skipped for a while
                if not known[i] or self._rows[i].idle_steps >= self._rows[i].probe_wait]
-        if (worth and not due and self.cost_aware and not measured_win
-                and not self._drafting_pays(stale, predicted, table, len(worth))):
+        if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
             return []
         chosen = sorted(set(worth) | set(due))
-        if due and self.cost_aware and not measured_win:
+        if due and self.cost_aware:
             # Probes and new requests draft whatever the model says, but its prediction for the step is still
             # checked against what the step delivers: checked only on the steps it chose to draft (those whose stale
             # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
