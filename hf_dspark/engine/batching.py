@@ -1259,7 +1259,7 @@ class DSparkEngine:
             # Probes and new requests draft whatever the model says, but its prediction for the step is still
             # checked against what the step delivers: checked only on the steps it chose to draft (those whose stale
             # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
-            # next drafts fall back toward the mean) and, with the factor pulled down, stop drafting for good.
+            # next drafts fall back toward the mean) and, its factor pulled down, skip drafting for long stretches.
             self._drafting_pays(stale, predicted, table, len(chosen), keep_prediction=True)
         if not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
