@@ -889,7 +889,7 @@ class DSparkEngine:
             self._profiled_table(len(rows))  # a first profile (cached afterwards) is not part of any step's time
         t0 = time.perf_counter()
         capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
-        drafting = self._drafting_rows(caps, capacity)
+        drafting = self._drafting_rows(caps, capacity, representative)
         drafts = None
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
@@ -980,10 +980,13 @@ class DSparkEngine:
             self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
 
-    def _realized_allows_drafting(self, num_requests: int) -> bool:
-        """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates."""
+    def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None) -> bool:
+        """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates
+        (``representative``: this step's ``_representative()``, computed here when not given)."""
+        if representative is None:
+            representative = self._representative()
         return self.measurements.drafting_allowed(num_requests, self.explore_interval, self.max_explore_interval,
-                                                  self.explore_budget, self._representative())
+                                                  self.explore_budget, representative)
 
     def _representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
@@ -1223,21 +1226,23 @@ class DSparkEngine:
         capped = capped_confidences(filled, torch.tensor(caps, device=stale.device))
         return dynamic_topk_capacity(capped.cpu(), self._sps_table(len(caps)).cpu())
 
-    def _drafting_rows(self, caps: list[int], capacity: int | None) -> list[int]:
+    def _drafting_rows(self, caps: list[int], capacity: int | None, representative: bool | None = None) -> list[int]:
         """Rows that draft this step. Under the scheduler, a request whose earlier confidences predict a zero budget
         skips drafting (its draft could not be verified) until its next probe; and with ``cost_aware`` the requests
         predicted to verify drafts skip drafting too when the predicted gain does not cover the drafter's measured
         cost (until one of them is due for a probe, which also refreshes the cost). The decision uses no
-        information from this step's drafts, so it cannot bias the output."""
+        information from this step's drafts, so it cannot bias the output. ``representative``: this step's
+        ``_representative()`` (``step`` computes it once for the gate and its own records; here when not given)."""
         self._prediction = None
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
         if self.method == "fixed" or not candidates:
             return candidates
+        if representative is None:
+            representative = self._representative()
         if self.realized_gate and not self.measurements.drafting_verdict(
-                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget,
-                self._representative())[0]:
+                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative)[0]:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
             # about a millisecond, 1-2% of a plain step at 16 requests.
@@ -1265,7 +1270,7 @@ class DSparkEngine:
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
             return []
-        if chosen and self.realized_gate and not self._realized_allows_drafting(len(caps)):
+        if chosen and self.realized_gate and not self._realized_allows_drafting(len(caps), representative):
             return []
         return chosen
 
