@@ -403,3 +403,17 @@ def test_trained_drafter_through_olah_with_smollm2(tmp_path, olah):
     assert out["assisted_remote"] == out["plain"] and out["assisted_local"] == out["plain"]
     expected = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     assert out["plain"] == expected
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct-dspark", "smollm2-135m-instruct-dflash"])
+def test_embedded_drafters_ship_the_package_code(name):
+    """The embedded drafter folders carry copies of the package's code for ``trust_remote_code`` loaders; the package
+    is their one source, so a change there must be copied into both folders (as ``save_pretrained`` would write)."""
+    import hf_dspark
+
+    package = Path(hf_dspark.__file__).parent
+    folder = package / "drafters" / name
+    for shipped, source in (("modeling_dspark.py", "modeling_dspark.py"),
+                            ("configuration_dspark.py", "configuration_dspark.py"),
+                            ("custom_generate/scheduling.py", "scheduling.py")):
+        assert (folder / shipped).read_bytes() == (package / source).read_bytes(), f"{name}/{shipped} is stale"
