@@ -6,6 +6,7 @@ A fresh scheduled engine learns as it goes (its first steps at a batch size draf
 SmolLM2-135M + embedded drafter:
 
     python scripts/engine_call_times.py --concurrency 16 --dtype bfloat16
+    python scripts/engine_call_times.py --concurrency 1 --methods fixed scheduled   # decisions' cost at one request
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def instrument(timers: dict[str, list]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--methods", nargs="+", default=["plain", "scheduled"], choices=("plain", "fixed", "scheduled"))
     add_measurement_arguments(parser)
     args = parser.parse_args()
     target, _, drafter, prompts = load_measurement_setup(args)
     timers: dict[str, list] = {}
     instrument(timers)
-    for method in ("plain", "scheduled"):
+    for method in args.methods:
         engine = DSparkEngine(target, drafter if method != "plain" else None, method=method,
                               max_concurrency=args.concurrency, seed=0)
         if method == "scheduled":
@@ -67,6 +69,13 @@ def main() -> None:
               f"{sum(1 for d in engine.stats.drafting if d)} drafting")
         for key, (calls, seconds) in sorted(timers.items(), key=lambda item: -item[1][1]):
             print(f"   {key:40s} calls {calls:5d}  total {seconds * 1000:9.1f} ms  per call {seconds / calls * 1000:8.2f} ms")
+        # What a step spends outside the forwards (drafter, context catch-up, verify): decisions and bookkeeping
+        forwards = sum(timers.get(key, [0, 0.0])[1] for key in
+                       ("DSparkEngine._draft", "DeferredDrafterContext.flush", "DSparkEngine._verify"))
+        steps, step_s = timers.get("DSparkEngine.step", [0, 0.0])
+        admit_s = timers.get("DSparkEngine._admit", [0, 0.0])[1]
+        if steps:
+            print(f"   outside the forwards and admission: {(step_s - admit_s - forwards) / steps * 1000:.2f} ms per step")
 
 
 if __name__ == "__main__":

@@ -559,54 +559,55 @@ def test_realized_gate_decisions():
     """The realized gate's bookkeeping: drafting is free to go until measured twice; then plain steps at once until
     plain is measured twice at that batch size too; once both are measured, the faster side (tokens over seconds of its
     last 32 steps) wins, a losing drafting side is re-measured after a doubling wait, and while drafting wins the plain
-    side is still refreshed every ``explore_interval`` steps."""
+    side is still refreshed every ``explore_interval`` steps. At 16 requests and more (32-step windows; smaller batch
+    sizes keep longer ones, ``realized_window``)."""
     target = make_target("llama")
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
                           max_explore_interval=12, explore_budget=0)  # the doubling wait alone
     assert engine.realized_gate
-    assert engine._realized_allows_drafting(4)
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    assert engine._realized_allows_drafting(4)  # one drafting step is not a measurement yet
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    assert not engine._realized_allows_drafting(4)  # drafting measured twice, plain never: measure plain now
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
-    assert not engine._realized_allows_drafting(4)  # plain measured once: measure it again (VERDICT_ROUNDS)
-    assert engine._realized_allows_drafting(2)  # no verdict at 4 yet for 2 to take
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-    assert not engine._realized_allows_drafting(4)  # the verdict: plain
-    assert engine._realized_allows_drafting(1)  # a much smaller batch size is judged on its own
-    assert not engine._realized_allows_drafting(2)  # one within half of 4 (a draining batch) takes 4's verdict
-    assert not engine._realized_allows_drafting(3)
-    assert not engine._realized_allows_drafting(8)  # a larger one not measured yet: drafting lost at 4, so not here
-    engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
-    engine.measurements.record_step(8, True, emitted=24, seconds=0.1)
-    assert not engine._realized_allows_drafting(8)  # measured twice at 8 itself, plain never: plain at 8 now
-    assert not engine._realized_allows_drafting(16)  # 8 has no plain steps: 4 (drafting lost) decides
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(4)  # 3 steps since drafting last ran: re-measure it
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    assert engine._realized_allows_drafting(4)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next one waits 6 steps
+    assert engine._realized_allows_drafting(16)
+    engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
+    assert engine._realized_allows_drafting(16)  # one drafting step is not a measurement yet
+    engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
+    assert not engine._realized_allows_drafting(16)  # drafting measured twice, plain never: measure plain now
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
+    assert not engine._realized_allows_drafting(16)  # plain measured once: measure it again (VERDICT_ROUNDS)
+    assert engine._realized_allows_drafting(8)  # no verdict at 16 yet for 8 to take
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+    assert not engine._realized_allows_drafting(16)  # the verdict: plain
+    assert engine._realized_allows_drafting(4)  # a much smaller batch size is judged on its own
+    assert not engine._realized_allows_drafting(8)  # one within half of 16 (a draining batch) takes its verdict
+    assert not engine._realized_allows_drafting(12)
+    assert not engine._realized_allows_drafting(32)  # a larger one not measured yet: drafting lost at 16, so not here
+    engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
+    engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
+    assert not engine._realized_allows_drafting(32)  # measured twice at 32 itself, plain never: plain at 32 now
+    assert not engine._realized_allows_drafting(64)  # 32 has no plain steps: 16 (drafting lost) decides
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(16)  # 3 steps since drafting last ran: re-measure it
+    engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
+    assert engine._realized_allows_drafting(16)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
+    engine.measurements.record_step(16, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next one waits 6 steps
     for _ in range(5):
-        engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-        assert not engine._realized_allows_drafting(4)
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(4)  # 6 steps: re-measure (the wait is now 12, at most 12)
-    assert engine.measurements.explore_wait[4] == 12
-    engine.measurements.record_step(4, True, emitted=8, seconds=0.1)
-    engine.measurements.record_step(4, True, emitted=18, seconds=0.1)  # this re-measurement: 26 / 0.2 s = 130 tok/s
-    assert engine.measurements.realized_rate(4, True) < 100  # the whole window (the old losing steps) would say lose
-    assert engine._realized_allows_drafting(4) and engine.measurements.explore_wait[4] == 3  # drafting wins: waits reset
-    assert engine._realized_allows_drafting(6)  # and a larger batch size not yet measured may try again
-    engine.measurements.record_step(4, True, emitted=40, seconds=0.1)
-    assert not engine._realized_allows_drafting(4)  # winning, but plain last measured 3 steps ago: refresh it
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(4)
+        engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+        assert not engine._realized_allows_drafting(16)
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(16)  # 6 steps: re-measure (the wait is now 12, at most 12)
+    assert engine.measurements.explore_wait[16] == 12
+    engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
+    engine.measurements.record_step(16, True, emitted=18, seconds=0.1)  # this re-measurement: 26 / 0.2 s = 130 tok/s
+    assert engine.measurements.realized_rate(16, True) < 100  # the whole window (the old losing steps) would say lose
+    assert engine._realized_allows_drafting(16) and engine.measurements.explore_wait[16] == 3  # drafting wins: waits reset
+    assert engine._realized_allows_drafting(24)  # and a larger batch size not yet measured may try again
+    engine.measurements.record_step(16, True, emitted=40, seconds=0.1)
+    assert not engine._realized_allows_drafting(16)  # winning, but plain last measured 3 steps ago: refresh it
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+    assert engine._realized_allows_drafting(16)
     for _ in range(40):  # the window keeps the last 32 plain steps: one slow step moves the rate a little
-        engine.measurements.record_step(4, False, emitted=4, seconds=0.04)
-    engine.measurements.record_step(4, False, emitted=4, seconds=0.4)
-    assert engine.measurements.realized_rate(4, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
+        engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
+    engine.measurements.record_step(16, False, emitted=4, seconds=0.4)
+    assert engine.measurements.realized_rate(16, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
     assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
     assert not DSparkEngine(target, drafter, method="fixed").realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):

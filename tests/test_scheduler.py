@@ -15,6 +15,7 @@ from hf_dspark.scheduling import (
     StepsPerSecond,
     dynamic_topk_capacity,
     prefix_schedule,
+    realized_window,
     topk_schedule,
     width_schedule,
 )
@@ -370,34 +371,95 @@ def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
     rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still
     reads slower than plain. The fresh rounds keep counting until they fill the window."""
+    rows = 16  # a batch size whose window is REALIZED_WINDOW rounds
+    assert realized_window(rows) == REALIZED_WINDOW
     gate = RealizedGate()
     for _ in range(REALIZED_WINDOW):
-        gate.record_step(1, True, 1, 1.0)  # the hard stretch: 1 token/s
-    gate.record_step(1, False, 1, 0.1)  # plain: 10 tokens/s
-    assert not gate.drafting_allowed(1, 2, 8, 0)  # drafting lost, last ran 1 round ago
-    gate.record_step(1, False, 1, 0.1)
-    assert gate.drafting_allowed(1, 2, 8, 0) and gate.fresh_rounds[1] == 0  # re-measure now
+        gate.record_step(rows, True, 1, 1.0)  # the hard stretch: 1 token/s
+    gate.record_step(rows, False, 1, 0.1)  # plain: 10 tokens/s
+    assert not gate.drafting_allowed(rows, 2, 8, 0)  # drafting lost, last ran 1 round ago
+    gate.record_step(rows, False, 1, 0.1)
+    assert gate.drafting_allowed(rows, 2, 8, 0) and gate.fresh_rounds[rows] == 0  # re-measure now
     for k in range(REMEASURE_ROUNDS):
-        assert gate.drafting_allowed(1, 2, 8, 0)  # the re-measurement runs its rounds whatever they show
-        gate.record_step(1, True, 3, 0.1)  # easy text now: 30 tokens/s
-    assert gate.realized_rate(1, True) < gate.realized_rate(1, False)  # the old window would still say "lose"
-    assert gate.realized_rate(1, True, last=REMEASURE_ROUNDS) == pytest.approx(30.0)
-    assert not gate.drafting_allowed(1, 2, 8, 0)  # drafting wins; the plain side is stale (2 rounds): refresh it
-    gate.record_step(1, False, 1, 0.1)
-    assert gate.drafting_allowed(1, 2, 8, 0) and gate.explore_wait[1] == 2  # wins: waits reset
+        assert gate.drafting_allowed(rows, 2, 8, 0)  # the re-measurement runs its rounds whatever they show
+        gate.record_step(rows, True, 3, 0.1)  # easy text now: 30 tokens/s
+    assert gate.realized_rate(rows, True) < gate.realized_rate(rows, False)  # the old window would still say "lose"
+    assert gate.realized_rate(rows, True, last=REMEASURE_ROUNDS) == pytest.approx(30.0)
+    assert not gate.drafting_allowed(rows, 2, 8, 0)  # drafting wins; the plain side is stale (2 rounds): refresh it
+    gate.record_step(rows, False, 1, 0.1)
+    assert gate.drafting_allowed(rows, 2, 8, 0) and gate.explore_wait[rows] == 2  # wins: waits reset
     for _ in range(REALIZED_WINDOW):
-        gate.record_step(1, True, 3, 0.1)
-    assert 1 not in gate.fresh_rounds  # the window is all fresh rounds now
+        gate.record_step(rows, True, 3, 0.1)
+    assert rows not in gate.fresh_rounds  # the window is all fresh rounds now
     # a re-measurement that loses again waits twice as long
     slow = RealizedGate()
     for _ in range(4):
-        slow.record_step(1, True, 1, 1.0)
-    slow.record_step(1, False, 1, 0.1)
-    slow.record_step(1, False, 1, 0.1)
-    assert slow.drafting_allowed(1, 2, 8, 0)
+        slow.record_step(rows, True, 1, 1.0)
+    slow.record_step(rows, False, 1, 0.1)
+    slow.record_step(rows, False, 1, 0.1)
+    assert slow.drafting_allowed(rows, 2, 8, 0)
     for _ in range(REMEASURE_ROUNDS):
-        slow.record_step(1, True, 1, 1.0)
-    assert not slow.drafting_allowed(1, 2, 8, 0) and slow.explore_wait[1] == 4
+        slow.record_step(rows, True, 1, 1.0)
+    assert not slow.drafting_allowed(rows, 2, 8, 0) and slow.explore_wait[rows] == 4
+
+
+def test_realized_gate_windows_hold_enough_request_rounds():
+    """At few requests a window of 32 rounds is one or two answers' text: a hard answer that made drafting deliver no
+    more than plain rounds would rule drafting out over the next ones, which the cost model already judges step by
+    step. Windows hold at least ``REALIZED_REQUEST_ROUNDS`` request-rounds: one hard stretch of 32 rounds does not
+    overturn what drafting delivered over hundreds at one request, and still does at 16 requests (32-round windows).
+    The plain side is refreshed at the same pace relative to its window."""
+    from hf_dspark.scheduling import REALIZED_REQUEST_ROUNDS
+
+    assert [realized_window(r) for r in (1, 4, 16, 64)] == [REALIZED_REQUEST_ROUNDS, REALIZED_REQUEST_ROUNDS // 4,
+                                                           REALIZED_WINDOW, REALIZED_WINDOW]
+    with pytest.raises(ValueError, match="rows"):
+        realized_window(0)
+    verdicts = {}
+    for rows in (1, 16):
+        gate = RealizedGate()
+        for _ in range(200):
+            gate.record_step(rows, True, 3 * rows, 0.1)  # easy text: drafting delivers 3x plain
+        for _ in range(REALIZED_WINDOW):
+            gate.record_step(rows, True, rows, 0.1)  # a hard answer: drafting delivers what plain does
+        gate.record_step(rows, False, rows, 0.1)
+        gate.record_step(rows, False, rows, 0.1)
+        verdicts[rows] = gate.drafting_allowed(rows, 16, 256, 0)
+        assert len(gate.realized[(rows, True)]) == min(200 + REALIZED_WINDOW, realized_window(rows))
+    assert verdicts == {1: True, 16: False}
+    # the plain side's refresh while drafting wins: every 16 rounds at 16 requests, every 256 at one request
+    for rows, refresh in ((16, 16), (1, 256)):
+        gate = RealizedGate()
+        for _ in range(2):
+            gate.record_step(rows, True, 3 * rows, 0.1)
+            gate.record_step(rows, False, rows, 0.1)
+        drafted = 0
+        while gate.drafting_allowed(rows, 16, 256, 0):
+            gate.record_step(rows, True, 3 * rows, 0.1)
+            drafted += 1
+        assert drafted == refresh
+
+
+def test_round_window_keeps_its_totals():
+    """A realized window's running totals and rates equal sums over the rounds it holds, as rounds are evicted."""
+    from hf_dspark.scheduling import RoundWindow
+
+    rng = random.Random(0)
+    window = RoundWindow(maxlen=5)
+    assert window.rate() is None and window.rate(last=3) is None
+    rounds = []
+    for _ in range(40):
+        rounds.append((float(rng.randint(1, 9)), rng.uniform(0.01, 0.2)))
+        window.append(rounds[-1])
+        held = rounds[-5:]
+        assert list(window) == held
+        assert window.tokens == pytest.approx(sum(e for e, _ in held))
+        assert window.seconds == pytest.approx(sum(s for _, s in held))
+        assert window.rate() == pytest.approx(sum(e for e, _ in held) / sum(s for _, s in held))
+        assert window.rate(last=2) == pytest.approx(sum(e for e, _ in held[-2:]) / sum(s for _, s in held[-2:]))
+    assert window.rate(last=0) is None
+    copy = RoundWindow(list(window), maxlen=5)  # as a saved file restores it
+    assert copy.tokens == pytest.approx(window.tokens) and copy.seconds == pytest.approx(window.seconds)
 
 
 def test_realized_gate_verdict_is_pure():

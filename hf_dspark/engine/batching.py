@@ -541,6 +541,11 @@ class EngineStats:
     survival_correction: list[float] = field(default_factory=list)  # online factors per position (scheduler)
     emitted: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # whole step (decisions, drafting, verification), no prefill
+    # scheduler steps with candidate rows that drafted nothing, by the reason: "gate" (the realized gate ruled drafting
+    # out at this batch size), "cannot_pay" (not even certain drafts would be verified), "cost" (the cost model
+    # predicted drafting would not pay), "no_budget" (every row's confidences predicted a zero budget, no probe due),
+    # "gate_rows" (the gate refused the rows chosen)
+    skips: dict[str, int] = field(default_factory=dict)
     compactions: int = 0
     prefill_calls: int = 0  # prefill forwards (joining requests share one when they join in the same step)
     held_slot_steps: int = 0  # free slots left empty a step while waiting joiners were held (``admission_hold``)
@@ -564,7 +569,7 @@ class EngineStats:
             "mean_verify_tokens_per_request_step": sum(self.verify_tokens) / max(1, sum(self.active)),
             "drafting_fraction": sum(self.drafting) / max(1, sum(self.active)),
             "emitted_tokens": sum(self.emitted),
-            "compactions": self.compactions,
+            "compactions": self.compactions, "skips": dict(sorted(self.skips.items())),
             "prefill_calls": self.prefill_calls, "held_slot_steps": self.held_slot_steps,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
             "survival_correction": list(self.survival_correction),
@@ -797,6 +802,8 @@ class DSparkEngine:
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
+        self._can_pay_table: torch.Tensor | None = None  # the table ``_drafts_can_pay``'s kept answers are for
+        self._can_pay: dict[tuple, bool] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
@@ -805,6 +812,7 @@ class DSparkEngine:
         self._held_slot_steps = 0  # idle slot-steps of the admission being held
         self._sps = sps
         self._sps_tables: dict[int, torch.Tensor] = {}
+        self._profiled_lists: dict[int, list[float]] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         default_eos = target.generation_config.eos_token_id
         self._default_eos = frozenset([] if default_eos is None else
@@ -1126,6 +1134,7 @@ class DSparkEngine:
         cached = self._priced_tables.get(num_requests)
         if cached is not None and cached[0] == self.measurements.version:
             return cached[1]
+        profiled = self._profiled_list(num_requests)
         ratios = self._log_cost_ratios()
         level = self._log_level(num_requests, ratios)
         widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
@@ -1141,11 +1150,12 @@ class DSparkEngine:
             else:
                 excess = max(excess, self._log_width_excess(num_requests, w, ratios))
                 log_ratio = level + excess
-            log_costs.append(log_ratio - math.log(float(table[num_requests * w])))
+            log_costs.append(log_ratio - math.log(profiled[num_requests * w]))
             weights.append(weight)
-        priced = table.clone()
+        priced = list(profiled)
         for w, log_cost in zip(widths, nondecreasing_fit(log_costs, weights)):
             priced[num_requests * w] = math.exp(-log_cost)
+        priced = torch.tensor(priced, dtype=table.dtype, device=table.device)
         self._priced_tables[num_requests] = (self.measurements.version, priced)
         return priced
 
@@ -1154,12 +1164,19 @@ class DSparkEngine:
         out: dict[int, dict[int, float]] = {}
         for (rows, width), seconds in self.measurements.verify_cost.items():
             try:
-                table = self._profiled_table(rows)
+                table = self._profiled_list(rows)
             except ValueError:  # shared measurements from a batch size this engine's profile does not cover
                 continue
-            if rows * width < table.shape[0] and seconds > 0:
-                out.setdefault(rows, {})[width] = math.log(seconds * float(table[rows * width]))
+            if rows * width < len(table) and seconds > 0:
+                out.setdefault(rows, {})[width] = math.log(seconds * table[rows * width])
         return out
+
+    def _profiled_list(self, num_requests: int) -> list[float]:
+        """``_profiled_table`` as Python floats (the repricing reads it entry by entry, every step)."""
+        table = self._profiled_lists.get(num_requests)
+        if table is None:
+            table = self._profiled_lists[num_requests] = self._profiled_table(num_requests).tolist()
+        return table
 
     def _log_level(self, num_requests: int, ratios: dict[int, dict[int, float]]) -> float:
         """The timing-weighted mean log ratio at ``num_requests``, or at the nearest batch size measured (in log scale,
@@ -1246,11 +1263,11 @@ class DSparkEngine:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
             # about a millisecond, 1-2% of a plain step at 16 requests.
-            return []
+            return self._skip("gate")
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
-            return []  # not even certain drafts would be verified at this batch size: no draft, no probe
+            return self._skip("cannot_pay")  # not even certain drafts would be verified at this batch size
         stale, known = self._stale_confidences(smoothed=True)
         predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
         lengths = predicted.tolist()
@@ -1258,8 +1275,10 @@ class DSparkEngine:
         due = [i for i in candidates  # new requests, and probes of requests skipped for a while
                if not known[i] or self._rows[i].idle_steps >= self._rows[i].probe_wait]
         if worth and not due and self.cost_aware and not self._drafting_pays(stale, predicted, table, len(worth)):
-            return []
+            return self._skip("cost")
         chosen = sorted(set(worth) | set(due))
+        if not chosen:
+            return self._skip("no_budget")  # every row's confidences predict a zero budget, and no probe is due
         if due and self.cost_aware:
             # Probes and new requests draft whatever the model says, but its prediction for the step is still
             # checked against what the step delivers: checked only on the steps it chose to draft (those whose stale
@@ -1269,16 +1288,32 @@ class DSparkEngine:
         if not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
-            return []
+            return self._skip("cannot_pay")
         if chosen and self.realized_gate and not self._realized_allows_drafting(len(caps), representative):
-            return []
+            return self._skip("gate_rows")
         return chosen
+
+    def _skip(self, reason: str) -> list[int]:
+        """A scheduler step that drafts nothing although some rows could: counted by ``reason`` in ``stats.skips``."""
+        self._prediction = None
+        self.stats.skips[reason] = self.stats.skips.get(reason, 0) + 1
+        return []
 
     def _drafts_can_pay(self, caps: torch.Tensor, table: torch.Tensor, rows: list[int] | None = None) -> bool:
         """Whether the scheduler would verify anything at this batch size if the drafts of ``rows`` (default: every
         row) were certain (confidences 1 within the caps, the other rows not drafting). When not, drafting those
         rows is pointless whatever the drafter says (the batch is too large for verification to pay on this
-        hardware), and they skip even their probes."""
+        hardware), and they skip even their probes. Answers are kept for the table they were computed from (a step
+        asks up to twice, the same question when every row drafts)."""
+        rows_key = None if rows is None or len(set(rows)) == caps.shape[0] else tuple(sorted(set(rows)))
+        if self._can_pay_table is not table:
+            self._can_pay_table, self._can_pay = table, {}
+        key = (tuple(caps.tolist()), rows_key)
+        if key not in self._can_pay:
+            self._can_pay[key] = self._certain_drafts_verified(caps, table, rows_key)
+        return self._can_pay[key]
+
+    def _certain_drafts_verified(self, caps: torch.Tensor, table: torch.Tensor, rows: tuple[int, ...] | None) -> bool:
         if rows is None:
             certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
         else:

@@ -18,7 +18,7 @@ import statistics
 from collections import deque
 from pathlib import Path
 
-from ..scheduling import REALIZED_WINDOW, RealizedGate
+from ..scheduling import RealizedGate, RoundWindow, realized_window
 
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
@@ -61,7 +61,7 @@ class EngineMeasurements(RealizedGate):
       average of a rarely run width is mostly its last few timings), and ``verify_count[(rows, width)]`` how many
       timings it has seen (``timings``: how many stand behind the price, which decides how far the engine trusts it
       over the profile);
-    - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole steps
+    - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
       machine) moves it by a thirty-second, not by the 30% a moving average would.
@@ -188,7 +188,7 @@ class EngineMeasurements(RealizedGate):
             # the median's window is not saved: it restarts from the saved price, held by as many timings as stood
             # behind it
             out._verify_window[key] = deque([out.verify_cost[key]] * out.timings(*key), maxlen=VERIFY_WINDOW)
-        out.realized = {(int(r), bool(d)): deque(((float(e), float(s)) for e, s in steps), maxlen=REALIZED_WINDOW)
+        out.realized = {(int(r), bool(d)): RoundWindow(steps, maxlen=realized_window(int(r)))
                         for r, d, steps in data["realized"]}
         if data.get("confidence_prior") is not None:  # files before it carry none
             count, sums = data["confidence_prior"]
@@ -210,5 +210,5 @@ class EngineMeasurements(RealizedGate):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "REALIZED_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
+__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
            "ema", "measurement_key"]

@@ -12,6 +12,7 @@ This file is self-contained (torch only): exported drafter folders carry it in `
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any
 
@@ -296,12 +297,17 @@ class OnlineSurvivalCorrection:
         self.accepted = torch.zeros(block_size, dtype=torch.float64)
 
     def factors(self) -> torch.Tensor:
-        out = torch.empty_like(self.predicted)
-        previous = 1.0
-        for k in range(out.shape[0]):
-            previous = (float(self.accepted[k]) + self.prior * previous) / (float(self.predicted[k]) + self.prior)
-            out[k] = previous
-        return out
+        """The per-position factors [g] (kept until the next ``observe``: the engine reads them a few times a step)."""
+        cached = getattr(self, "_factors", None)
+        if cached is not None and cached[0] is self.predicted and cached[1] is self.accepted:
+            return cached[2].clone()
+        out, previous = [], 1.0
+        for accepted, predicted in zip(self.accepted.tolist(), self.predicted.tolist()):
+            previous = (accepted + self.prior * previous) / (predicted + self.prior)
+            out.append(previous)
+        factors = torch.tensor(out, dtype=self.predicted.dtype)
+        self._factors = (self.predicted, self.accepted, factors)
+        return factors.clone()
 
     def correct(self, confidences: torch.Tensor) -> torch.Tensor:
         """Corrected conditional confidences [R, g] (the schedulers take conditionals and form the products)."""
@@ -316,11 +322,19 @@ class OnlineSurvivalCorrection:
         survival = torch.cumprod(confidences.double().clamp(0, 1), dim=-1).cpu()
         k = torch.arange(survival.shape[1])
         verified = k < lengths.cpu()[:, None]
-        self.predicted += (survival * verified).sum(dim=0)
-        self.accepted += ((k < accepted.cpu()[:, None]) & verified).sum(dim=0)
+        # new tensors (not in place): ``factors`` keeps its result while these are the same objects
+        self.predicted = self.predicted + (survival * verified).sum(dim=0)
+        self.accepted = self.accepted + ((k < accepted.cpu()[:, None]) & verified).sum(dim=0)
 
 
-REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second
+REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second, at least
+# A window also holds at least this many request-rounds (rows x rounds): at few rows, 32 rounds are one or two
+# requests' text, and how predictable that text was (which the cost model already prices step by step, from the
+# drafts' confidences) would decide the verdict instead of what drafting costs. SmolLM2 at one request (bf16, 2 CPU
+# threads, 32-token answers): 32-round windows dipped to within 3% of plain over a hard answer or two, ruling drafting
+# out for 16 or more rounds of the next ones although drafting delivered 1.5x plain over the run; at 16 requests and
+# more the window is 32 rounds as before.
+REALIZED_REQUEST_ROUNDS = 512
 REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
 # Rounds each side needs at a batch size before a verdict there. With one plain round against two drafting ones, a
 # single plain step's timing decided whether drafting ran for a whole ``explore_interval``.
@@ -339,10 +353,50 @@ DRAFTING_MARGIN = 1.03
 EXPLORE_BUDGET = 0.005
 
 
+def realized_window(rows: int) -> int:
+    """Rounds a realized window holds at ``rows`` requests: ``REALIZED_WINDOW``, or enough for
+    ``REALIZED_REQUEST_ROUNDS`` request-rounds (512 rounds at one request, 128 at four, 32 from sixteen)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    return max(REALIZED_WINDOW, -(-REALIZED_REQUEST_ROUNDS // rows))
+
+
+class RoundWindow(deque):
+    """A realized window: the last ``maxlen`` rounds' ``(tokens emitted, seconds)``, with their totals kept as rounds
+    come and go (a 512-round window is read a few times every round; summing it each time cost more than the
+    decision it serves)."""
+
+    def __init__(self, rounds=(), maxlen: int | None = None):
+        super().__init__(((float(e), float(s)) for e, s in rounds), maxlen)
+        self.tokens = sum(e for e, _ in self)
+        self.seconds = sum(s for _, s in self)
+
+    def append(self, round_: tuple[float, float]) -> None:
+        emitted, seconds = float(round_[0]), float(round_[1])
+        if self.maxlen is not None and len(self) == self.maxlen:
+            old_emitted, old_seconds = self[0]
+            self.tokens -= old_emitted
+            self.seconds -= old_seconds
+        super().append((emitted, seconds))
+        self.tokens += emitted
+        self.seconds += seconds
+
+    def rate(self, last: int | None = None) -> float | None:
+        """Tokens per second of the window (of its ``last`` rounds when given), or None when empty."""
+        if last is None:
+            tokens, seconds, count = self.tokens, self.seconds, len(self)
+        else:
+            recent = list(itertools.islice(reversed(self), max(0, last)))
+            tokens, seconds, count = sum(e for e, _ in recent), sum(s for _, s in recent), len(recent)
+        if not count:
+            return None
+        return tokens / seconds if seconds > 0 else float("inf")
+
+
 class RealizedGate:
     """Judges drafting by what it has actually delivered on this machine.
 
-    ``realized[(rows, drafted)]`` holds ``(tokens emitted, seconds)`` of the last ``REALIZED_WINDOW`` whole rounds
+    ``realized[(rows, drafted)]`` holds ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole rounds
     (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with drafting or without;
     their rate is total tokens over total seconds, so one slow round (a hiccup of a shared machine) moves it by a
     thirty-second, not by the 30% a moving average would. Every cost a model of the round leaves out or misprices
@@ -351,7 +405,7 @@ class RealizedGate:
     """
 
     def __init__(self):
-        self.realized: dict[tuple[int, bool], deque[tuple[float, float]]] = {}
+        self.realized: dict[tuple[int, bool], RoundWindow] = {}
         # Exploration state (not saved: a loaded file starts a fresh schedule of re-measurements)
         self.steps_since: dict[tuple[int, bool], int] = {}  # rounds at R since the last (drafting, plain) round
         self.plain_seconds: dict[int, float] = {}  # R -> seconds of plain rounds at R since its last drafting round
@@ -362,12 +416,15 @@ class RealizedGate:
     def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
         """One whole round at ``rows`` requests: whether it drafted, the tokens it emitted, its seconds."""
         key = (rows, drafted)
-        self.realized.setdefault(key, deque(maxlen=REALIZED_WINDOW)).append((float(emitted), float(seconds)))
+        window = self.realized.get(key)
+        if window is None:
+            window = self.realized[key] = RoundWindow(maxlen=realized_window(rows))
+        window.append((emitted, seconds))
         self.steps_since[key] = 0
         self.plain_seconds[rows] = 0.0 if drafted else self.plain_seconds.get(rows, 0.0) + float(seconds)
         if drafted and rows in self.fresh_rounds:
             self.fresh_rounds[rows] += 1
-            if self.fresh_rounds[rows] >= REALIZED_WINDOW:  # the window holds fresh rounds only
+            if self.fresh_rounds[rows] >= realized_window(rows):  # the window holds fresh rounds only
                 del self.fresh_rounds[rows]
         other = (rows, not drafted)
         self.steps_since[other] = self.steps_since.get(other, 0) + 1
@@ -376,12 +433,7 @@ class RealizedGate:
         """Tokens per second of the recent whole rounds at ``rows`` requests (with drafting or without; only the
         ``last`` ones when given), or None."""
         window = self.realized.get((rows, drafted))
-        if last is not None and window:
-            window = list(window)[-last:] if last > 0 else []
-        if not window:
-            return None
-        seconds = sum(s for _, s in window)
-        return sum(e for e, _ in window) / seconds if seconds > 0 else float("inf")
+        return None if window is None else window.rate(last)
 
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
@@ -389,7 +441,8 @@ class RealizedGate:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
         whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
         rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
-        rounds while drafting wins, to keep the plain side fresh); otherwise the faster side, re-measuring a losing
+        rounds while drafting wins, to keep the plain side fresh; scaled by the window, ``realized_window(rows) /
+        REALIZED_WINDOW``: every 16 * ``explore_interval`` rounds at one request); otherwise the faster side, re-measuring a losing
         drafting side after a wait that starts at ``explore_interval`` and doubles (up to ``max_explore_interval``)
         while drafting keeps losing, and that also lasts until the expected loss of the re-measurement
         (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget`` of the plain
@@ -458,7 +511,9 @@ class RealizedGate:
             # to plain decoding, while every drafting round run before the verdict may be a loss.
             return False, None
         plain_rate = self.realized_rate(rows, False)
-        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval
+        # the plain side is refreshed at the same pace relative to its window at every batch size: a round every
+        # explore_interval at 16 requests and more, every 16 * explore_interval at one request (512-round windows)
+        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval * realized_window(rows) // REALIZED_WINDOW
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
@@ -485,7 +540,7 @@ class RealizedGate:
         if not window or drafting_rate is None or plain_rate <= 0:
             return 0.0
         shortfall = max(0.0, 1.0 - drafting_rate / plain_rate)
-        return REMEASURE_ROUNDS * sum(s for _, s in window) / len(window) * shortfall
+        return REMEASURE_ROUNDS * window.seconds / len(window) * shortfall
 
     def drafting_lost_nearby(self, rows: int) -> bool:
         """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
@@ -685,12 +740,15 @@ __all__ = [
     "DRAFTING_MARGIN",
     "EXPLORE_BUDGET",
     "PrefixSchedulerPolicy",
+    "REALIZED_REQUEST_ROUNDS",
     "REALIZED_WINDOW",
     "REMEASURE_ROUNDS",
     "RealizedGate",
+    "RoundWindow",
     "StepsPerSecond",
     "dynamic_topk_capacity",
     "prefix_schedule",
+    "realized_window",
     "topk_schedule",
     "FixedLengthPolicy",
     "VERIFICATION_POLICIES",
