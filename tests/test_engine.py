@@ -555,6 +555,39 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
     assert results[True] < 0.4, results
 
 
+def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
+    """In a batch a re-measurement of drafting costs more than its steps' shortfall (its extra tokens make requests
+    finish apart), so the engine spends a fifth of single-sequence generation's exploration budget and lets the wait
+    grow to ``ENGINE_MAX_EXPLORE_INTERVAL`` steps. SmolLM2-like numbers at 16 requests: drafting steps of 80 ms
+    emitting 22 tokens (275 tok/s) against plain steps of 44 ms (364 tok/s): re-measured after ~890 plain steps, where
+    the single-sequence budget would re-measure after ~180."""
+    from hf_dspark.engine import ENGINE_EXPLORE_BUDGET, ENGINE_MAX_EXPLORE_INTERVAL
+    from hf_dspark.scheduling import EXPLORE_BUDGET
+
+    target = make_target("llama")
+    drafter = make_drafter(target)
+
+    def plain_steps_until_remeasured(**kwargs) -> int:
+        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, **kwargs)
+        for _ in range(4):
+            engine.measurements.record_step(16, True, emitted=22, seconds=0.08)
+        steps = 0
+        while not engine._realized_allows_drafting(16):
+            engine.measurements.record_step(16, False, emitted=16, seconds=0.044)
+            steps += 1
+            assert steps <= 2000
+        return steps
+
+    assert ENGINE_EXPLORE_BUDGET == pytest.approx(EXPLORE_BUDGET / 5) and ENGINE_MAX_EXPLORE_INTERVAL == 1024
+    engine_default = plain_steps_until_remeasured()
+    single_sequence = plain_steps_until_remeasured(explore_budget=EXPLORE_BUDGET, max_explore_interval=256)
+    # expected loss 2 x 0.08 s x (1 - 275/364): re-measured once the plain steps' seconds reach it / budget
+    loss = 2 * 0.08 * (1 - 275 / (16 / 0.044))
+    assert abs(engine_default - loss / ENGINE_EXPLORE_BUDGET / 0.044) <= 2, engine_default
+    assert abs(single_sequence - loss / EXPLORE_BUDGET / 0.044) <= 2, single_sequence
+    assert engine_default > 4 * single_sequence
+
+
 def test_realized_gate_decisions():
     """The realized gate's bookkeeping: drafting is free to go until measured twice; then plain steps at once until
     plain is measured twice at that batch size too; once both are measured, the faster side (tokens over seconds of its

@@ -2,6 +2,8 @@
 ``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay (``hf_dspark.engine.bench``)."""
 
 from .batching import (
+    ENGINE_EXPLORE_BUDGET,
+    ENGINE_MAX_EXPLORE_INTERVAL,
     BatchOutput,
     DeferredDrafterContext,
     DSparkEngine,

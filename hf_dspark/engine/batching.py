@@ -73,6 +73,19 @@ from .measurements import EngineMeasurements, measurement_key
 # 16 prefill forwards against 18; scheduled with 1, 0.983x plain where scheduled with 0.5 read 0.934x.
 ADMISSION_HOLD = 1.0
 
+# The engine's exploration budget (``DSparkEngine(explore_budget=)``) and the longest wait between re-measurements of
+# a losing drafting side (``max_explore_interval``). A re-measurement in a batch costs much more than the shortfall of
+# its two drafting steps (what ``RealizedGate.remeasure_loss`` prices): its extra tokens make requests finish apart, so
+# slots idle in admission holds or their successors join in extra prefill forwards. Bench-serve at 16 requests, bf16,
+# 32 new tokens, 8 alternating pairs (``reports/bench-serve-smollm2-bf16-epyc-s24-c16.json``, at the single-sequence
+# budget 0.005 and wait 256): the four runs that re-measured (2-5 drafting steps, 17-21 prefill forwards and 22-34
+# held slot-steps against 16 and 16) read 0.945, 0.936, 1.026 and 0.977 of their plain pairs, the four that did not
+# 1.010, 1.014, 0.958 and 1.025: about 3% of a 9 s run per re-measurement, some 7x the ~40 ms its two steps lose. So
+# the engine's budget is a fifth of ``EXPLORE_BUDGET``, and its wait may grow to 1024 steps (at 256 the cap, not the
+# budget, timed every re-measurement: 256 steps at 16 requests is two of those runs).
+ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
+ENGINE_MAX_EXPLORE_INTERVAL = 1024
+
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
@@ -687,12 +700,14 @@ class DSparkEngine:
             a draining batch on its way down). This catches every cost the model in ``cost_aware`` leaves out or
             misprices. The decision uses past steps' timings only, so
             it is lossless.
-        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate``.
+        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (default
+            ``ENGINE_MAX_EXPLORE_INTERVAL``, 1024).
         explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
             steps at the measured shortfall) is at most this fraction of the plain steps' time since drafting last
             ran at that batch size, or after ``max_explore_interval`` steps (``RealizedGate.drafting_allowed``; 0: the
             doubling wait alone). Drafting that lost narrowly is re-measured soon, drafting that lost by 45% (SmolLM2
-            at 64 requests) rarely.
+            at 64 requests) rarely. Default ``ENGINE_EXPLORE_BUDGET`` (0.001, a fifth of single-sequence generation's:
+            in a batch a re-measurement also desynchronises the requests, which its steps do not show).
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
@@ -731,8 +746,8 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
-                 realized_gate: bool = True, explore_interval: int = 16, max_explore_interval: int = 256,
-                 explore_budget: float = EXPLORE_BUDGET,
+                 realized_gate: bool = True, explore_interval: int = 16,
+                 max_explore_interval: int = ENGINE_MAX_EXPLORE_INTERVAL, explore_budget: float = ENGINE_EXPLORE_BUDGET,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
@@ -1588,6 +1603,8 @@ __all__ = [
     "BatchOutput",
     "DSparkEngine",
     "DeferredDrafterContext",
+    "ENGINE_EXPLORE_BUDGET",
+    "ENGINE_MAX_EXPLORE_INTERVAL",
     "EngineStats",
     "PrefillCost",
     "RaggedBatchCache",
