@@ -64,7 +64,7 @@ class EngineMeasurements(RealizedGate):
     - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
-      machine) moves it by a thirty-second, not by the 30% a moving average would.
+      machine) moves it by a thirty-second (less in longer windows), not by the 30% a moving average would.
 
     - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
       mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new

@@ -399,8 +399,8 @@ class RealizedGate:
     ``realized[(rows, drafted)]`` holds ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole rounds
     (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with drafting or without;
     their rate is total tokens over total seconds, so one slow round (a hiccup of a shared machine) moves it by a
-    thirty-second, not by the 30% a moving average would. Every cost a model of the round leaves out or misprices
-    shows up here. The verdicts read past rounds only, so a gate that only chooses whether to draft is lossless.
+    thirty-second (less in longer windows), not by the 30% a moving average would. Every cost a model of the round
+    leaves out or misprices shows up here. The verdicts read past rounds only, so a gate that only chooses whether to draft is lossless.
     The batched engine keeps one per engine (``EngineMeasurements``); ``generate()`` keeps one at ``rows = 1``.
     """
 
@@ -442,9 +442,9 @@ class RealizedGate:
         whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
         rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
         rounds while drafting wins, to keep the plain side fresh; scaled by the window, ``realized_window(rows) /
-        REALIZED_WINDOW``: every 16 * ``explore_interval`` rounds at one request); otherwise the faster side, re-measuring a losing
-        drafting side after a wait that starts at ``explore_interval`` and doubles (up to ``max_explore_interval``)
-        while drafting keeps losing, and that also lasts until the expected loss of the re-measurement
+        REALIZED_WINDOW``: every 16 * ``explore_interval`` rounds at one request); otherwise the faster side,
+        re-measuring a losing drafting side after a wait that starts at ``explore_interval`` and doubles (up to
+        ``max_explore_interval``) while drafting keeps losing, and that also lasts until the expected loss of the re-measurement
         (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget`` of the plain
         rounds' seconds since drafting last ran (``remeasure_loss``; never past ``max_explore_interval`` rounds; 0
         turns this off). A re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on
@@ -513,7 +513,8 @@ class RealizedGate:
         plain_rate = self.realized_rate(rows, False)
         # the plain side is refreshed at the same pace relative to its window at every batch size: a round every
         # explore_interval at 16 requests and more, every 16 * explore_interval at one request (512-round windows)
-        fresh_plain = self.steps_since.get((rows, False), 0) < explore_interval * realized_window(rows) // REALIZED_WINDOW
+        refresh = explore_interval * realized_window(rows) // REALIZED_WINDOW
+        fresh_plain = self.steps_since.get((rows, False), 0) < refresh
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
