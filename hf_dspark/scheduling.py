@@ -381,6 +381,15 @@ class RoundWindow(deque):
         self.tokens += emitted
         self.seconds += seconds
 
+    def __reduce__(self):  # copies and pickles rebuild the totals from the rounds
+        return type(self), (list(self), self.maxlen)
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a RoundWindow only takes rounds through append (its totals follow append alone)")
+
+    appendleft = extend = extendleft = insert = remove = pop = popleft = clear = rotate = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
     def rate(self, last: int | None = None) -> float | None:
         """Tokens per second of the window (of its ``last`` rounds when given), or None when empty."""
         if last is None:

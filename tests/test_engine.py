@@ -787,11 +787,38 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.step()
     assert engine.stats.drafting == [0] and engine.measurements.realized == {}
+    assert engine.stats.skips == {"gate": 1}  # counted as a step the gate kept from drafting
     engine.step()
     assert engine.stats.drafting[-1] == 2 and len(engine.measurements.realized[(2, True)]) == 1
+    assert engine.stats.summary()["skips"] == {"gate": 1}
     engine.run()
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
+
+
+def test_certain_draft_answers_are_kept_per_table():
+    """``_drafts_can_pay`` keeps its answers for the table object they came from: every answer equals a fresh
+    computation, a new table (repriced) starts over, and asking for every row equals asking for none."""
+    import random
+
+    target = make_target("llama")
+    engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS)
+    rng = random.Random(0)
+    g = engine.block_size
+    for round_ in range(60):
+        rows = rng.choice([1, 2, 4])
+        width = rows * (g + 1) + 1
+        # a steep table (verifying never pays) or a flat one (it always does), a new object every few rounds
+        table = (torch.tensor([1.0 / max(1, b) ** rng.choice([0.0, 2.0]) for b in range(width)])
+                 if round_ % 5 == 0 or engine._can_pay_table is None else engine._can_pay_table)
+        caps = torch.tensor([rng.randint(0, g) for _ in range(rows)])
+        chosen = sorted(rng.sample(range(rows), rng.randint(0, rows)))
+        for asked in (None, chosen, list(range(rows))):
+            want = engine._certain_drafts_verified(
+                caps, table, None if asked is None or len(asked) == rows else tuple(asked))
+            assert engine._drafts_can_pay(caps, table, asked) == want
+            assert engine._drafts_can_pay(caps, table, asked) == want  # the kept answer
+        assert engine._drafts_can_pay(caps, table, list(range(rows))) == engine._drafts_can_pay(caps, table)
 
 
 def test_measurements_know_a_local_checkpoint_by_relative_or_absolute_path(tmp_path, monkeypatch):
@@ -1275,6 +1302,13 @@ def test_online_survival_correction():
     corr.accepted = torch.tensor([200.0, 0.0, 0.0], dtype=torch.float64)
     f1 = 204 / 104
     assert corr.factors().tolist() == pytest.approx([f1, 4 * f1 / 5, 4 * f1 / 5])
+    # The factors are kept between observations (read a few times a step), and every observation renews them
+    kept = corr.factors()
+    kept.zero_()  # a caller's copy: the kept factors do not change
+    assert corr.factors().tolist() == pytest.approx([f1, 4 * f1 / 5, 4 * f1 / 5])
+    corr.observe(torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([3]), torch.tensor([0]))  # three drafts, none accepted
+    f1 = 204 / 105
+    assert corr.factors().tolist() == pytest.approx([f1, 4 * f1 / 6, (4 * f1 / 6 * 4) / 5])
 
 
 def test_prefill_groups_are_the_cheapest_split_of_the_sorted_prompts():

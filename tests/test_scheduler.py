@@ -460,6 +460,16 @@ def test_round_window_keeps_its_totals():
     assert window.rate(last=0) is None
     copy = RoundWindow(list(window), maxlen=5)  # as a saved file restores it
     assert copy.tokens == pytest.approx(window.tokens) and copy.seconds == pytest.approx(window.seconds)
+    import copy as copying
+    import pickle
+
+    for other in (copying.copy(window), copying.deepcopy(window), pickle.loads(pickle.dumps(window))):
+        assert list(other) == list(window) and other.maxlen == 5
+        assert other.tokens == pytest.approx(window.tokens) and other.seconds == pytest.approx(window.seconds)
+    with pytest.raises(TypeError, match="only takes rounds through append"):
+        window.extend([(1.0, 1.0)])
+    with pytest.raises(TypeError, match="only takes rounds through append"):
+        window.popleft()
 
 
 def test_realized_gate_verdict_is_pure():

@@ -700,7 +700,7 @@ class DSparkEngine:
             a draining batch on its way down). This catches every cost the model in ``cost_aware`` leaves out or
             misprices. The decision uses past steps' timings only, so
             it is lossless.
-        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (default
+        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (defaults 16 and
             ``ENGINE_MAX_EXPLORE_INTERVAL``, 1024).
         explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
             steps at the measured shortfall) is at most this fraction of the plain steps' time since drafting last
@@ -1321,7 +1321,7 @@ class DSparkEngine:
         hardware), and they skip even their probes. Answers are kept for the table they were computed from (a step
         asks up to twice, the same question when every row drafts)."""
         rows_key = None if rows is None or len(set(rows)) == caps.shape[0] else tuple(sorted(set(rows)))
-        if self._can_pay_table is not table:
+        if self._can_pay_table is not table or len(self._can_pay) >= 64:  # a table kept for long (a fixed SPS)
             self._can_pay_table, self._can_pay = table, {}
         key = (tuple(caps.tolist()), rows_key)
         if key not in self._can_pay:
