@@ -796,29 +796,36 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
 
 
-def test_certain_draft_answers_are_kept_per_table():
-    """``_drafts_can_pay`` keeps its answers for the table object they came from: every answer equals a fresh
-    computation, a new table (repriced) starts over, and asking for every row equals asking for none."""
+def test_certain_draft_question_is_asked_once_when_every_row_drafts(tiny_targets, trained_drafters):
+    """Whether certain drafts would be verified is asked of every row first, and again of the chosen rows only when
+    they are a subset: asking for every row is the same question (checked over random caps and tables), so a step
+    where every request drafts asks it once."""
     import random
 
-    target = make_target("llama")
-    engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS)
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
     rng = random.Random(0)
     g = engine.block_size
-    for round_ in range(60):
+    for _ in range(40):
         rows = rng.choice([1, 2, 4])
-        width = rows * (g + 1) + 1
-        # a steep table (verifying never pays) or a flat one (it always does), a new object every few rounds
-        table = (torch.tensor([1.0 / max(1, b) ** rng.choice([0.0, 2.0]) for b in range(width)])
-                 if round_ % 5 == 0 or engine._can_pay_table is None else engine._can_pay_table)
+        # a steep table (verifying never pays) or a flat one (it always does)
+        table = torch.tensor([1.0 / max(1, b) ** rng.choice([0.0, 2.0]) for b in range(rows * (g + 1) + 1)])
         caps = torch.tensor([rng.randint(0, g) for _ in range(rows)])
-        chosen = sorted(rng.sample(range(rows), rng.randint(0, rows)))
-        for asked in (None, chosen, list(range(rows))):
-            want = engine._certain_drafts_verified(
-                caps, table, None if asked is None or len(asked) == rows else tuple(asked))
-            assert engine._drafts_can_pay(caps, table, asked) == want
-            assert engine._drafts_can_pay(caps, table, asked) == want  # the kept answer
         assert engine._drafts_can_pay(caps, table, list(range(rows))) == engine._drafts_can_pay(caps, table)
+    asked = []
+    original = engine._drafts_can_pay
+
+    def recording(caps, table, rows=None):
+        asked.append(rows)
+        return original(caps, table, rows)
+
+    engine._drafts_can_pay = recording
+    for prompt in in_distribution_prompts(target, 2):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=12))
+    engine.step()  # the first step after the prompts: the gate keeps it plain before any question
+    assert engine.stats.drafting == [0] and asked == []
+    engine.step()
+    assert engine.stats.drafting[-1] == 2 and asked == [None]
 
 
 def test_measurements_know_a_local_checkpoint_by_relative_or_absolute_path(tmp_path, monkeypatch):

@@ -817,8 +817,6 @@ class DSparkEngine:
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
-        self._can_pay_table: torch.Tensor | None = None  # the table ``_drafts_can_pay``'s kept answers are for
-        self._can_pay: dict[tuple, bool] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
@@ -1300,17 +1298,17 @@ class DSparkEngine:
             # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
             # next drafts fall back toward the mean) and, its factor pulled down, skip drafting for long stretches.
             self._drafting_pays(stale, predicted, table, len(chosen), keep_prediction=True)
-        if not self._drafts_can_pay(cap_tensor, table, chosen):
+        if len(chosen) < len(caps) and not self._drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
-            # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
+            # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due). With
+            # every row chosen this is the question answered above.
             return self._skip("cannot_pay")
-        if chosen and self.realized_gate and not self._realized_allows_drafting(len(caps), representative):
+        if self.realized_gate and not self._realized_allows_drafting(len(caps), representative):
             return self._skip("gate_rows")
         return chosen
 
     def _skip(self, reason: str) -> list[int]:
         """A scheduler step that drafts nothing although some rows could: counted by ``reason`` in ``stats.skips``."""
-        self._prediction = None
         self.stats.skips[reason] = self.stats.skips.get(reason, 0) + 1
         return []
 
@@ -1318,17 +1316,7 @@ class DSparkEngine:
         """Whether the scheduler would verify anything at this batch size if the drafts of ``rows`` (default: every
         row) were certain (confidences 1 within the caps, the other rows not drafting). When not, drafting those
         rows is pointless whatever the drafter says (the batch is too large for verification to pay on this
-        hardware), and they skip even their probes. Answers are kept for the table they were computed from (a step
-        asks up to twice, the same question when every row drafts)."""
-        rows_key = None if rows is None or len(set(rows)) == caps.shape[0] else tuple(sorted(set(rows)))
-        if self._can_pay_table is not table or len(self._can_pay) >= 64:  # a table kept for long (a fixed SPS)
-            self._can_pay_table, self._can_pay = table, {}
-        key = (tuple(caps.tolist()), rows_key)
-        if key not in self._can_pay:
-            self._can_pay[key] = self._certain_drafts_verified(caps, table, rows_key)
-        return self._can_pay[key]
-
-    def _certain_drafts_verified(self, caps: torch.Tensor, table: torch.Tensor, rows: tuple[int, ...] | None) -> bool:
+        hardware), and they skip even their probes."""
         if rows is None:
             certain = torch.ones(caps.shape[0], self.block_size, device=self.device)
         else:

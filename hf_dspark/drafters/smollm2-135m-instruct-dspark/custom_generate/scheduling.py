@@ -295,10 +295,11 @@ class OnlineSurvivalCorrection:
         self.prior = prior
         self.predicted = torch.zeros(block_size, dtype=torch.float64)
         self.accepted = torch.zeros(block_size, dtype=torch.float64)
+        self._factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (predicted, accepted, factors)
 
     def factors(self) -> torch.Tensor:
         """The per-position factors [g] (kept until the next ``observe``: the engine reads them a few times a step)."""
-        cached = getattr(self, "_factors", None)
+        cached = self._factors
         if cached is not None and cached[0] is self.predicted and cached[1] is self.accepted:
             return cached[2].clone()
         out, previous = [], 1.0
@@ -409,7 +410,8 @@ class RealizedGate:
     (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with drafting or without;
     their rate is total tokens over total seconds, so one slow round (a hiccup of a shared machine) moves it by a
     thirty-second (less in longer windows), not by the 30% a moving average would. Every cost a model of the round
-    leaves out or misprices shows up here. The verdicts read past rounds only, so a gate that only chooses whether to draft is lossless.
+    leaves out or misprices shows up here. The verdicts read past rounds only, so a gate that only chooses whether
+    to draft is lossless.
     The batched engine keeps one per engine (``EngineMeasurements``); ``generate()`` keeps one at ``rows = 1``.
     """
 
@@ -453,10 +455,10 @@ class RealizedGate:
         rounds while drafting wins, to keep the plain side fresh; scaled by the window, ``realized_window(rows) /
         REALIZED_WINDOW``: every 16 * ``explore_interval`` rounds at one request); otherwise the faster side,
         re-measuring a losing drafting side after a wait that starts at ``explore_interval`` and doubles (up to
-        ``max_explore_interval``) while drafting keeps losing, and that also lasts until the expected loss of the re-measurement
-        (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget`` of the plain
-        rounds' seconds since drafting last ran (``remeasure_loss``; never past ``max_explore_interval`` rounds; 0
-        turns this off). A re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on
+        ``max_explore_interval``) while drafting keeps losing, and that also lasts until the expected loss of the
+        re-measurement (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget``
+        of the plain rounds' seconds since drafting last ran (``remeasure_loss``; never past ``max_explore_interval``
+        rounds; 0 turns this off). A re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on
         every round since it began, up to the window), not on the window of the stretch that made drafting lose.
 
         A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
