@@ -382,11 +382,16 @@ def cmd_bench_serve(args) -> int:
     from pathlib import Path
 
     from .defaults import load_drafter_for
-    from .engine.bench import bench_serve, encode_prompts, measurements_from_report, parse_method, plot_bench
+    from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, measurements_from_report, parse_method,
+                               plot_bench)
     from .prompts import load_prompts
 
     for method in args.methods:
         parse_method(method, args.schedule)  # fail fast on a typo, before loading anything
+    if args.interleave and (args.concurrency != [1] or args.cold_engines):
+        raise ValueError("--interleave compares the methods request by request at one request at a time: it needs "
+                         f"--concurrency 1 (got {' '.join(map(str, args.concurrency))}) and long-lived engines "
+                         "(not --cold-engines)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer, dtype = _setup_target(args)
     target = target.to(device)
@@ -408,11 +413,14 @@ def cmd_bench_serve(args) -> int:
     prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
-    report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         schedule=args.schedule, sps=sps, seed=args.seed, repeats=args.repeats,
-                         warmup=not args.no_warmup, share_measurements=not args.cold_engines, measurements=start,
-                         log=lambda line: print(line, flush=True))
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  schedule=args.schedule, sps=sps, seed=args.seed, repeats=args.repeats, warmup=not args.no_warmup,
+                  measurements=start, log=lambda line: print(line, flush=True))
+    if args.interleave:
+        report = bench_interleaved(target, drafter, [ids for _, ids in prompts], args.methods, **common)
+    else:
+        report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
+                             share_measurements=not args.cold_engines, **common)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
                             "prompt_ids": [i for i, _ in prompts]}, **report}
@@ -653,6 +661,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "PrefillCost fixed_tokens (1e9: each admission in one padded forward)")
     serve.add_argument("--repeats", type=int, default=1,
                        help="run the methods of each concurrency round-robin N times; keep each method's fastest run")
+    serve.add_argument("--interleave", action="store_true",
+                       help="with --concurrency 1: serve each prompt with every method back to back (one long-lived "
+                            "engine per method, the first method rotating) and compare them request by request, so "
+                            "the machine's drift cancels in each pair; --repeats passes over the prompts")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",
                        help="budget sharing for 'scheduled': Algorithm 1 by width layers (costed as the padded batch), "
                             "Algorithm 1 over single entries, or dynamic top-K")

@@ -7,6 +7,7 @@ parameters per request in the same batch.
 """
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -1133,6 +1134,77 @@ def test_against_baseline():
     assert against_baseline([10.0], [8.0])["paired_se_factor"] is None  # one repeat: no spread to judge
     with pytest.raises(ValueError, match="same number of runs"):
         against_baseline([1.0], [1.0, 2.0])
+
+
+def test_against_baseline_by_request():
+    from hf_dspark.engine.bench import against_baseline_by_request
+
+    # Every request twice as fast: 2x whichever way it is summarised, and no spread
+    ratios = against_baseline_by_request([10, 20, 5], [1.0, 2.0, 0.5], [10, 20, 5], [2.0, 4.0, 1.0])
+    assert ratios["aggregate"] == pytest.approx(2.0) and ratios["per_request_geomean"] == pytest.approx(2.0)
+    assert ratios["aggregate_se_factor"] == pytest.approx(1.0) and ratios["per_request_se_factor"] == pytest.approx(1.0)
+    # The aggregate weighs requests by their time, the per-request mean weighs them alike
+    tokens, seconds, base_tokens, base_seconds = [10, 10, 30], [1.0, 1.0, 4.0], [10, 10, 30], [2.0, 1.0, 2.0]
+    ratios = against_baseline_by_request(tokens, seconds, base_tokens, base_seconds, resamples=500)
+    assert ratios["aggregate"] == pytest.approx((50 / 6.0) / (50 / 5.0))
+    logs = [math.log(2.0), 0.0, math.log(0.5)]
+    assert ratios["per_request_geomean"] == pytest.approx(1.0)
+    assert ratios["per_request_se_factor"] == pytest.approx(math.exp(statistics.stdev(logs) / math.sqrt(3)))
+    assert ratios["per_request_range"] == pytest.approx([0.5, 2.0]) and ratios["requests"] == 3
+    # the bootstrap spread of the aggregate: resamples of these three pairs range from 0.5x to 2x
+    assert 1.1 < ratios["aggregate_se_factor"] < 2.0
+    assert against_baseline_by_request([10], [1.0], [10], [2.0])["aggregate_se_factor"] is None  # one pair
+    # Pairs of one prompt (several passes) are one unit: two groups, each of two identical pairs
+    grouped = against_baseline_by_request([10] * 4, [1.0, 1.0, 2.0, 2.0], [10] * 4, [2.0, 2.0, 1.0, 1.0],
+                                          groups=[0, 0, 1, 1])
+    assert grouped["groups"] == 2 and grouped["aggregate"] == pytest.approx(1.0)
+    assert grouped["per_request_se_factor"] == pytest.approx(math.exp(math.log(4) / math.sqrt(2) / math.sqrt(2)))
+    assert against_baseline_by_request([10] * 2, [1.0, 2.0], [10] * 2, [2.0, 1.0], groups=["a", "a"])[
+        "per_request_se_factor"] is None  # one prompt: nothing to judge its spread by
+    with pytest.raises(ValueError, match="same requests"):
+        against_baseline_by_request([1, 2], [1.0, 1.0], [1], [1.0])
+    with pytest.raises(ValueError, match="positive time"):
+        against_baseline_by_request([1], [0.0], [1], [1.0])
+
+
+def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_targets, trained_drafters, monkeypatch):
+    from hf_dspark.engine import bench
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 4)
+    calls, served = [], bench.serve_request
+
+    def recording(engine, prompt, params, target=None):
+        calls.append((engine.method, prompts.index(prompt)))
+        return served(engine, prompt, params, target)
+
+    monkeypatch.setattr(bench, "serve_request", recording)
+    methods = ["plain", "fixed", "scheduled"]
+    report = bench.bench_interleaved(target, drafter, prompts, methods, max_new_tokens=10, sps=DECREASING_SPS,
+                                     repeats=2, warmup=False, log=lambda line: None)
+    # each prompt with every method back to back, the first method rotating with the prompt and the pass
+    assert [index for _, index in calls] == [i for _ in range(2) for i in range(4) for _ in range(3)]
+    firsts = [calls[3 * k][0] for k in range(8)]
+    assert firsts == ["plain", "fixed", "scheduled", "plain", "fixed", "scheduled", "plain", "fixed"]
+    for method in methods:
+        row = report["results"][method]["1"]
+        assert row["interleaved"] and row["requests"] == 8 and row["tokens"] == 80
+        assert row["identical_to_plain"] == "8/8" and len(row["runs_tokens_per_s"]) == 2
+        assert row["tokens_per_s"] == pytest.approx(80 / row["wall_s"])
+        assert row["mean_active_requests"] == 1  # one long-lived engine per method, one request at a time
+    assert set(report["results"]["fixed"]["1"]) >= {"vs_plain"} and "vs_fixed" not in report["results"]["fixed"]["1"]
+    versus = report["results"]["scheduled"]["1"]["vs_fixed"]
+    assert versus["requests"] == 8 and versus["groups"] == 4 and versus["aggregate"] > 0
+    assert report["results"]["plain"]["1"]["mean_verify_tokens_per_step"] == 0
+    assert set(report["measurements"]) == {"scheduled"}
+
+
+def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
+    from hf_dspark.cli import main
+
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--concurrency", "1", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "--interleave" in err and "--concurrency 1 (got 1 4)" in err
 
 
 def test_nondecreasing_fit():

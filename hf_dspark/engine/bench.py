@@ -147,21 +147,27 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int, engine_kwargs: dict,
-             sps=None, seed: int = 0, measurements=None) -> tuple[dict, list[list[int]]]:
-    """Serve every prompt at ``concurrency``; returns the summary and each request's tokens (prompt order).
-    ``measurements``: an ``EngineMeasurements`` the engine starts from and adds to (scheduled methods)."""
+def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: int, measurements) -> DSparkEngine:
+    """An engine for one method (``parse_method``'s keyword arguments); scheduled ones price their budget from
+    ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
     kwargs = dict(engine_kwargs)
     if kwargs["method"] == "scheduled":
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
         kwargs["measurements"] = measurements
-    engine = DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
-                          seed=seed, **kwargs)
+    return DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
+                        seed=seed, **kwargs)
+
+
+def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int, engine_kwargs: dict,
+             sps=None, seed: int = 0, measurements=None) -> tuple[dict, list[list[int]]]:
+    """Serve every prompt at ``concurrency``; returns the summary and each request's tokens (prompt order).
+    ``measurements``: an ``EngineMeasurements`` the engine starts from and adds to (scheduled methods)."""
+    engine = _engine(target, drafter, concurrency, engine_kwargs, sps, seed, measurements)
     from tqdm.auto import tqdm
 
     ids = [engine.add_request(p, params) for p in prompts]
-    bar = tqdm(total=len(ids), desc=f"{kwargs['method']} c={concurrency}", unit="request", leave=False)
+    bar = tqdm(total=len(ids), desc=f"{engine_kwargs['method']} c={concurrency}", unit="request", leave=False)
     _sync(target)
     started = time.perf_counter()
     for event in engine.stream():
@@ -171,12 +177,17 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     wall = time.perf_counter() - started
     bar.close()
     outputs = [engine.outputs[i] for i in ids]
+    return _summary(outputs, wall, concurrency, engine), [o.token_ids for o in outputs]
+
+
+def _summary(outputs: list, wall: float, concurrency: int, engine: DSparkEngine) -> dict:
+    """A method's tokens/s over ``wall`` seconds, its requests' own speeds and acceptance, and its engine's stats."""
     tokens = sum(len(o.token_ids) for o in outputs)
     per_request = [o.tokens_per_s for o in outputs]
     verified = sum(sum(o.stats.verified) for o in outputs)
     accepted = sum(sum(o.stats.accepted) for o in outputs)
     rounds = sum(o.stats.rounds for o in outputs)
-    summary = {
+    return {
         "concurrency": concurrency,
         "requests": len(outputs),
         "tokens": tokens,
@@ -188,7 +199,6 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
         "acceptance_rate": accepted / verified if verified else 0.0,
         **engine.stats.summary(),
     }
-    return summary, [o.token_ids for o in outputs]
 
 
 def against_baseline(runs: list[float], baseline_runs: list[float]) -> dict:
@@ -229,32 +239,11 @@ def _sync(model) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
-                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
-                schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
-                share_measurements: bool = True, measurements: dict | None = None, log=print) -> dict:
-    """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
-
-    ``repeats`` > 1 runs the methods of each concurrency round-robin that many times (each repeat starting one method
-    later) and keeps each method's fastest
-    run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
-    shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
-    drift (``runs_counts`` lists what each run did: steps, drafting steps, prefill forwards). With ``plain`` among
-    the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
-    the fastest runs, of the means, and of each repeat's back-to-back runs (their geometric mean, with its standard
-    error); every scheduled method also gets ``vs_<name>`` against each fixed-length method ``name``.
-
-    ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
-    (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
-
-    ``share_measurements`` (scheduled methods): each method's engines share one ``EngineMeasurements`` across the
-    warm-up and every run, as a long-lived server keeps what it has measured (drafter and verify costs, and what
-    drafting delivered at each batch size); False starts every run from nothing, as a freshly started server.
-
-    ``measurements``: ``{method: EngineMeasurements}`` a scheduled method starts from instead of nothing (with
-    ``share_measurements``), e.g. what an earlier report measured (``measurements_from_report``): a server that has
-    already learned this machine, without the runs that learn it. The objects are added to.
-    """
+def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, temperature, top_p, schedule, sps, seed,
+             warmup, repeats, share_measurements, measurements, log) -> tuple[dict, SamplingParams, object, dict]:
+    """Check a bench's arguments; returns each method's engine keyword arguments, the requests' sampling
+    parameters, the SPS profile (profiled, cached, when a scheduled method needs one and none is given) and each
+    scheduled method's shared ``EngineMeasurements`` (after the warm-up runs, when ``warmup``)."""
     if not prompts:
         raise ValueError("no prompts to replay")
     if any(c < 1 for c in concurrencies):
@@ -290,6 +279,39 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         for name, spec in specs.items():
             run_once(target, drafter, prompts[:2], SamplingParams(max_new_tokens=8), 2, spec, sps, seed,
                      measured.get(name))
+    return specs, params, sps, measured
+
+
+def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
+                max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
+                schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
+                share_measurements: bool = True, measurements: dict | None = None, log=print) -> dict:
+    """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
+
+    ``repeats`` > 1 runs the methods of each concurrency round-robin that many times (each repeat starting one method
+    later) and keeps each method's fastest
+    run (every run's tokens/s is listed under ``runs_tokens_per_s``, their mean under ``mean_tokens_per_s``): on a
+    shared machine the least disturbed run is the best estimate, and round-robin exposes every method to the same
+    drift (``runs_counts`` lists what each run did: steps, drafting steps, prefill forwards). With ``plain`` among
+    the methods, every other method gets ``vs_plain`` (``against_baseline``): the ratio of
+    the fastest runs, of the means, and of each repeat's back-to-back runs (their geometric mean, with its standard
+    error); every scheduled method also gets ``vs_<name>`` against each fixed-length method ``name``.
+
+    ``sps`` (for scheduled methods): a ``BatchedStepsPerSecond`` / ``StepsPerSecond``; None profiles the target
+    (cached) at batch sizes 1, 2, 4, .. up to the largest concurrency.
+
+    ``share_measurements`` (scheduled methods): each method's engines share one ``EngineMeasurements`` across the
+    warm-up and every run, as a long-lived server keeps what it has measured (drafter and verify costs, and what
+    drafting delivered at each batch size); False starts every run from nothing, as a freshly started server.
+
+    ``measurements``: ``{method: EngineMeasurements}`` a scheduled method starts from instead of nothing (with
+    ``share_measurements``), e.g. what an earlier report measured (``measurements_from_report``): a server that has
+    already learned this machine, without the runs that learn it. The objects are added to.
+    """
+    specs, params, sps, measured = _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens,
+                                            temperature, top_p, schedule, sps, seed, warmup, repeats,
+                                            share_measurements, measurements, log)
+    greedy = not params.do_sample
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
     for concurrency in concurrencies:
         reference = None
@@ -335,6 +357,142 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
             "measurements": {name: m.to_dict() for name, m in measured.items()}}
 
 
+def against_baseline_by_request(tokens: list[int], seconds: list[float], baseline_tokens: list[int],
+                                baseline_seconds: list[float], groups: list | None = None, resamples: int = 2000,
+                                seed: int = 0) -> dict:
+    """A method's requests against the baseline's same requests, each pair served back to back (``bench_interleaved``),
+    so a drift of a shared machine hits both sides of a pair alike:
+
+    - ``aggregate``: the ratio of aggregate throughputs, sum(tokens) / sum(seconds) on each side;
+    - ``per_request_geomean``: the geometric mean of the pairs' tokens/s ratios, and their range.
+
+    Their standard errors (``aggregate_se_factor``, ``per_request_se_factor``: x/÷ factors, None with one group) treat
+    ``groups`` (a label per pair; default: every pair its own) as the independent units: pairs of the same prompt in
+    several passes share that prompt's effect, so they are resampled together. The aggregate's is the spread of its
+    log over ``resamples`` bootstrap resamples of the groups; the per-request one, the standard error of the mean of
+    the groups' mean log ratios.
+    """
+    n = len(tokens)
+    groups = list(range(n)) if groups is None else list(groups)
+    if not n or any(len(v) != n for v in (seconds, baseline_tokens, baseline_seconds, groups)):
+        raise ValueError(f"need the same requests on both sides, got {len(tokens)}, {len(seconds)}, "
+                         f"{len(baseline_tokens)} and {len(baseline_seconds)} entries and {len(groups)} group labels")
+    if min(*seconds, *baseline_seconds) <= 0 or min(*tokens, *baseline_tokens) <= 0:
+        raise ValueError("every request needs tokens and a positive time on both sides")
+    members: dict = {}
+    for i, label in enumerate(groups):
+        members.setdefault(label, []).append(i)
+    clusters = list(members.values())
+
+    def aggregate(index) -> float:
+        return (sum(tokens[i] for i in index) / sum(seconds[i] for i in index)) / (
+            sum(baseline_tokens[i] for i in index) / sum(baseline_seconds[i] for i in index))
+
+    rng = random.Random(seed)
+    boot = ([math.log(aggregate([i for _ in clusters for i in rng.choice(clusters)])) for _ in range(resamples)]
+            if len(clusters) > 1 else [])
+    logs = [math.log((t / s) / (bt / bs)) for t, s, bt, bs in zip(tokens, seconds, baseline_tokens, baseline_seconds)]
+    means = [statistics.fmean(logs[i] for i in cluster) for cluster in clusters]
+    return {"requests": n,
+            "groups": len(clusters),
+            "aggregate": aggregate(range(n)),
+            "aggregate_se_factor": math.exp(statistics.stdev(boot)) if len(boot) > 1 else None,
+            "per_request_geomean": math.exp(statistics.fmean(logs)),
+            "per_request_se_factor": (math.exp(statistics.stdev(means) / math.sqrt(len(means)))
+                                      if len(means) > 1 else None),
+            "per_request_range": [math.exp(min(logs)), math.exp(max(logs))]}
+
+
+def _format_request_ratios(ratios: dict) -> str:
+    def se(key):
+        return "" if ratios[key] is None else f" x/÷{ratios[key]:.3f}"
+
+    low, high = ratios["per_request_range"]
+    return (f"aggregate {ratios['aggregate']:.3f}x{se('aggregate_se_factor')}, per request "
+            f"{ratios['per_request_geomean']:.3f}x{se('per_request_se_factor')} ({low:.2f}-{high:.2f}), "
+            f"{ratios['requests']} pairs of {ratios['groups']} prompts")
+
+
+def serve_request(engine: DSparkEngine, prompt: list[int], params: SamplingParams, target=None) -> tuple:
+    """Queue one request on an idle ``engine`` and run it to completion: (its ``RequestOutput``, wall seconds)."""
+    if engine.has_unfinished():
+        raise ValueError("serve_request needs an idle engine: it times one request alone")
+    request_id = engine.add_request(prompt, params)
+    if target is not None:
+        _sync(target)
+    started = time.perf_counter()
+    for _ in engine.stream():
+        pass
+    if target is not None:
+        _sync(target)
+    return engine.outputs[request_id], time.perf_counter() - started
+
+
+def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[str], max_new_tokens: int = 256,
+                      temperature: float = 0.0, top_p: float | None = None, schedule: str = "padded", sps=None,
+                      seed: int = 0, warmup: bool = True, repeats: int = 1, measurements: dict | None = None,
+                      log=print) -> dict:
+    """Concurrency 1, compared request by request: one long-lived engine per method, and every prompt served by each
+    method in turn, back to back (which method goes first rotates with the prompt and the repeat), ``repeats``
+    passes over the prompts.
+
+    At one request at a time a server's aggregate throughput is its requests' tokens over their summed times, so
+    this measures what ``bench_serve`` does at concurrency 1. But a pair of runs of the same request lies about a
+    second apart instead of a whole run: the drift of a shared machine (often 10% between whole runs here) cancels
+    in each pair, and every request is a pair. Returns ``bench_serve``'s report shape at concurrency "1": with plain
+    among the methods, every other method gets ``vs_plain``, and scheduled methods ``vs_<name>`` for each fixed one
+    (``against_baseline_by_request``); ``runs_tokens_per_s`` lists each pass's throughput."""
+    specs, params, sps, measured = _prepare(target, drafter, prompts, methods, [1], max_new_tokens, temperature,
+                                            top_p, schedule, sps, seed, warmup, repeats, True, measurements, log)
+    names = list(specs)
+    engines = {name: _engine(target, drafter, 1, specs[name], sps, seed, measured.get(name)) for name in names}
+    outputs: dict[str, list] = {name: [] for name in names}  # (pass, prompt) order
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=repeats * len(prompts), desc="interleaved c=1", unit="prompt", leave=False)
+    for repeat in range(repeats):
+        for index, prompt in enumerate(prompts):
+            shift = (index + repeat) % len(names)
+            for name in names[shift:] + names[:shift]:
+                output, wall = serve_request(engines[name], prompt, params, target)
+                outputs[name].append(output)
+                seconds[name].append(wall)
+            bar.update()
+        done = slice(repeat * len(prompts), (repeat + 1) * len(prompts))
+        log("pass {}: ".format(repeat + 1) + ", ".join(
+            f"{name} {sum(len(o.token_ids) for o in outputs[name][done]) / sum(seconds[name][done]):.1f} tok/s"
+            for name in names))
+    bar.close()
+    results: dict[str, dict[str, dict]] = {}
+    for name in names:
+        summary = _summary(outputs[name], sum(seconds[name]), 1, engines[name])
+        passes = [slice(r * len(prompts), (r + 1) * len(prompts)) for r in range(repeats)]
+        summary["runs_tokens_per_s"] = [sum(len(o.token_ids) for o in outputs[name][p]) / sum(seconds[name][p])
+                                        for p in passes]
+        summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
+        summary["interleaved"] = True
+        results[name] = {"1": summary}
+    baseline = next((name for name in names if specs[name]["method"] == "plain"), None)
+    fixed = [name for name in names if specs[name]["method"] == "fixed"]
+    prompt_of = [index for _ in range(repeats) for index in range(len(prompts))]  # each prompt's passes: one unit
+    for name in names:
+        row = results[name]["1"]
+        others = ([baseline] if baseline is not None and name != baseline else []) + (
+            fixed if specs[name]["method"] == "scheduled" else [])
+        for other in others:
+            ratios = against_baseline_by_request([len(o.token_ids) for o in outputs[name]], seconds[name],
+                                                 [len(o.token_ids) for o in outputs[other]], seconds[other],
+                                                 groups=prompt_of)
+            row[f"vs_{other}"] = ratios
+            log(f"c=1    {name:20s} vs {other}: {_format_request_ratios(ratios)}")
+        if baseline is not None and not params.do_sample:
+            same = sum(a.token_ids == b.token_ids for a, b in zip(outputs[name], outputs[baseline]))
+            row["identical_to_plain"] = f"{same}/{len(outputs[name])}"
+    return {"results": results, "sps": None if sps is None else sps.to_dict(),
+            "measurements": {name: m.to_dict() for name, m in measured.items()}}
+
+
 def plot_bench(report: dict, path: str | Path) -> Path:
     """Aggregate tokens/s, per-request tokens/s and mean verification budget per step vs concurrency."""
     import matplotlib
@@ -365,5 +523,6 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["add_measurement_arguments", "against_baseline", "bench_serve", "encode_prompts", "load_measurement_setup",
-           "measurements_from_report", "parse_method", "plot_bench", "run_once", "serve"]
+__all__ = ["add_measurement_arguments", "against_baseline", "against_baseline_by_request", "bench_interleaved",
+           "bench_serve", "encode_prompts", "load_measurement_setup", "measurements_from_report", "parse_method",
+           "plot_bench", "run_once", "serve", "serve_request"]
