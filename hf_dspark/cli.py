@@ -388,10 +388,16 @@ def cmd_bench_serve(args) -> int:
 
     for method in args.methods:
         parse_method(method, args.schedule)  # fail fast on a typo, before loading anything
-    if args.interleave and (args.concurrency != [1] or args.cold_engines):
-        raise ValueError("--interleave compares the methods request by request at one request at a time: it needs "
-                         f"--concurrency 1 (got {' '.join(map(str, args.concurrency))}) and long-lived engines "
-                         "(not --cold-engines)")
+    if args.concurrency is None:
+        args.concurrency = [1] if args.interleave else [1, 4, 16, 64]
+    if args.interleave and args.concurrency != [1]:
+        raise ValueError("--interleave compares the methods request by request, one request at a time: it needs "
+                         f"--concurrency 1, got {' '.join(map(str, args.concurrency))}")
+    if args.interleave and args.lockstep:
+        raise ValueError("--interleave and --lockstep are two ways to interleave the methods: choose one")
+    if args.interleave and args.cold_engines:
+        raise ValueError("--interleave serves every prompt on one long-lived engine per method; --cold-engines "
+                         "starts every run from nothing")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer, dtype = _setup_target(args)
     target = target.to(device)
@@ -420,7 +426,7 @@ def cmd_bench_serve(args) -> int:
         report = bench_interleaved(target, drafter, [ids for _, ids in prompts], args.methods, **common)
     else:
         report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
-                             share_measurements=not args.cold_engines, **common)
+                             share_measurements=not args.cold_engines, lockstep=args.lockstep, **common)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
                             "prompt_ids": [i for i, _ in prompts]}, **report}
@@ -430,6 +436,8 @@ def cmd_bench_serve(args) -> int:
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
     if plot and len(args.concurrency) > 1:
         print(f"plot: {plot_bench(report, plot)}")
+    elif args.plot:
+        print(f"no plot: {args.plot} would show one concurrency; the plot needs 2 or more")
     return 0
 
 
@@ -652,19 +660,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files or folders")
     serve.add_argument("--num-prompts", type=int, default=64, help="prompts replayed (shuffled with --seed)")
     serve.add_argument("--max-new-tokens", type=int, default=256)
-    serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
-                       help="most requests in the batch at once (one run per value)")
+    serve.add_argument("--concurrency", type=int, nargs="+", default=None,
+                       help="most requests in the batch at once (one run per value; default 1 4 16 64, or 1 with "
+                            "--interleave)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk; append ',ungated' "
                             "(or scheduled=ungated) to turn the realized gate off; append ',hold=H' to any method to "
                             "set the engine's admission_hold (0: admit at once), ',prefill=F' to set its "
                             "PrefillCost fixed_tokens (1e9: each admission in one padded forward)")
     serve.add_argument("--repeats", type=int, default=1,
-                       help="run the methods of each concurrency round-robin N times; keep each method's fastest run")
+                       help="run the methods of each concurrency N times (one after the other, round-robin, or "
+                            "side by side with --lockstep); keep each method's fastest run (with --interleave: N "
+                            "passes over the prompts, pooled)")
     serve.add_argument("--interleave", action="store_true",
                        help="with --concurrency 1: serve each prompt with every method back to back (one long-lived "
                             "engine per method, the first method rotating) and compare them request by request, so "
                             "the machine's drift cancels in each pair; --repeats passes over the prompts")
+    serve.add_argument("--lockstep", action="store_true",
+                       help="run each repeat's methods side by side, stepping whichever engine is furthest behind, "
+                            "each method timed on its own steps: the machine's drift lands on every method alike")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",
                        help="budget sharing for 'scheduled': Algorithm 1 by width layers (costed as the padded batch), "
                             "Algorithm 1 over single entries, or dynamic top-K")

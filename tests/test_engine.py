@@ -1136,6 +1136,79 @@ def test_against_baseline():
         against_baseline([1.0], [1.0, 2.0])
 
 
+def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, trained_drafters, monkeypatch):
+    import time
+
+    from hf_dspark.engine import batching, bench
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 5)
+    steps, original = [], batching.DSparkEngine.step
+
+    def recording(self):
+        assert isinstance(self._clock, bench.StepClock) and self._clock._started is not None  # its own clock runs
+        started = time.perf_counter()
+        try:
+            return original(self)
+        finally:
+            steps.append((self, self.method, time.perf_counter() - started))
+
+    monkeypatch.setattr(batching.DSparkEngine, "step", recording)
+    methods = ["plain", "fixed", "scheduled"]
+    started = time.perf_counter()
+    report = bench.bench_serve(target, drafter, prompts, methods, [3], max_new_tokens=10, sps=DECREASING_SPS,
+                               repeats=2, warmup=False, lockstep=True, log=lambda line: None)
+    elapsed = time.perf_counter() - started
+    engines = list(dict.fromkeys(engine for engine, _, _ in steps))
+    assert len(engines) == 6  # one engine per method and repeat
+    for repeat in range(2):
+        mine = [(engine, method) for engine, method, _ in steps if engine in engines[3 * repeat: 3 * repeat + 3]]
+        # nothing done yet: each engine steps once, in turn, the first one rotating with the repeat
+        assert [method for _, method in mine[:3]] == methods[repeat:] + methods[:repeat]
+        # plain emits fewer tokens a step, so it steps more often, and nobody runs on alone for long
+        counts = {method: sum(m == method for _, m in mine) for method in methods}
+        assert counts["plain"] > counts["fixed"]
+        last = {method: max(k for k, (_, m) in enumerate(mine) if m == method) for method in methods}
+        assert len(mine) - 1 - min(last.values()) <= 3
+    for method in methods:
+        row = report["results"][method]["3"]
+        assert row["identical_to_plain"] == "5/5" and row["tokens"] == 50 and len(row["runs_tokens_per_s"]) == 2
+        assert row["lockstep"]
+        assert (row["mean_verify_tokens_per_step"] > 0) == (method != "plain")  # each method's own engine's stats
+        # each run is timed on its own engine's steps only
+        for repeat, rate in enumerate(row["runs_tokens_per_s"]):
+            own = sum(d for engine, m, d in steps if engine in engines[3 * repeat: 3 * repeat + 3] and m == method)
+            assert own <= 50 / rate <= own + 0.05
+        if method != "plain":
+            assert row["vs_plain"]["paired"] == pytest.approx(
+                [a / b for a, b in zip(row["runs_tokens_per_s"], report["results"]["plain"]["3"]["runs_tokens_per_s"])])
+    assert sum(50 / r for m in methods for r in report["results"][m]["3"]["runs_tokens_per_s"]) <= elapsed
+
+
+def test_engine_request_times_follow_its_clock(tiny_targets):
+    import time
+
+    from hf_dspark.engine.bench import StepClock
+
+    target = tiny_targets["llama"]
+    clock = StepClock()
+    engine = DSparkEngine(target, None, method="plain", clock=clock)
+    request = engine.add_request(in_distribution_prompts(target, 1)[0], SamplingParams(max_new_tokens=4))
+    steps = 0
+    while engine.has_unfinished():
+        with clock:
+            engine.step()
+        time.sleep(0.25)  # another engine's step: not this engine's requests' time
+        steps += 1
+    out = engine.outputs[request]
+    assert steps >= 3 and out.arrival_s == 0.0
+    assert 0.0 < out.start_s <= out.finish_s <= clock() == clock.spent
+    assert out.finish_s - out.start_s < 0.25 * (steps - 1)  # a wall clock would count the sleeps between
+    with clock, pytest.raises(RuntimeError, match="already running"):
+        with clock:
+            pass
+
+
 def test_against_baseline_by_request():
     from hf_dspark.engine.bench import against_baseline_by_request
 
@@ -1151,13 +1224,18 @@ def test_against_baseline_by_request():
     assert ratios["per_request_geomean"] == pytest.approx(1.0)
     assert ratios["per_request_se_factor"] == pytest.approx(math.exp(statistics.stdev(logs) / math.sqrt(3)))
     assert ratios["per_request_range"] == pytest.approx([0.5, 2.0]) and ratios["requests"] == 3
-    # the bootstrap spread of the aggregate: resamples of these three pairs range from 0.5x to 2x
-    assert 1.1 < ratios["aggregate_se_factor"] < 2.0
+    # the bootstrap spread of the aggregate over resamples of these three pairs: about x/÷ 1.46 (exact enumeration)
+    assert 1.38 < ratios["aggregate_se_factor"] < 1.55
     assert against_baseline_by_request([10], [1.0], [10], [2.0])["aggregate_se_factor"] is None  # one pair
     # Pairs of one prompt (several passes) are one unit: two groups, each of two identical pairs
     grouped = against_baseline_by_request([10] * 4, [1.0, 1.0, 2.0, 2.0], [10] * 4, [2.0, 2.0, 1.0, 1.0],
                                           groups=[0, 0, 1, 1])
     assert grouped["groups"] == 2 and grouped["aggregate"] == pytest.approx(1.0)
+    # resampling the two prompts: 2x, 0.5x or 1x with chances 1/4, 1/4, 1/2 (resampling pairs would give x/÷ 1.41)
+    assert grouped["aggregate_se_factor"] == pytest.approx(math.exp(math.sqrt(0.5) * math.log(2)), rel=0.04)
+    # the per-request mean weighs prompts alike, however many pairs each has
+    uneven = against_baseline_by_request([10] * 3, [1.0, 1.0, 4.0], [10] * 3, [2.0, 2.0, 1.0], groups=[0, 0, 1])
+    assert uneven["per_request_geomean"] == pytest.approx(math.sqrt(2.0 * 0.25))
     assert grouped["per_request_se_factor"] == pytest.approx(math.exp(math.log(4) / math.sqrt(2) / math.sqrt(2)))
     assert against_baseline_by_request([10] * 2, [1.0, 2.0], [10] * 2, [2.0, 1.0], groups=["a", "a"])[
         "per_request_se_factor"] is None  # one prompt: nothing to judge its spread by
@@ -1182,21 +1260,36 @@ def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_tar
     methods = ["plain", "fixed", "scheduled"]
     report = bench.bench_interleaved(target, drafter, prompts, methods, max_new_tokens=10, sps=DECREASING_SPS,
                                      repeats=2, warmup=False, log=lambda line: None)
-    # each prompt with every method back to back, the first method rotating with the prompt and the pass
+    # each prompt with every method back to back, the order rotating with the prompt; the odd pass serves each prompt
+    # in the reverse of its order in the pass before, so a method follows each other as often as it precedes it
     assert [index for _, index in calls] == [i for _ in range(2) for i in range(4) for _ in range(3)]
-    firsts = [calls[3 * k][0] for k in range(8)]
-    assert firsts == ["plain", "fixed", "scheduled", "plain", "fixed", "scheduled", "plain", "fixed"]
+    p, f, s = "plain", "fixed", "scheduled"
+    assert [method for method, _ in calls] == [p, f, s, f, s, p, s, p, f, p, f, s,  # pass 1
+                                               s, f, p, p, s, f, f, p, s, s, f, p]  # pass 2: each prompt's reversed
     for method in methods:
         row = report["results"][method]["1"]
         assert row["interleaved"] and row["requests"] == 8 and row["tokens"] == 80
         assert row["identical_to_plain"] == "8/8" and len(row["runs_tokens_per_s"]) == 2
         assert row["tokens_per_s"] == pytest.approx(80 / row["wall_s"])
+        assert row["mean_tokens_per_s"] == pytest.approx(sum(row["runs_tokens_per_s"]) / 2)
+        # equal tokens per pass: the pooled rate is the passes' harmonic mean
+        assert row["tokens_per_s"] == pytest.approx(2 / sum(1 / r for r in row["runs_tokens_per_s"]))
         assert row["mean_active_requests"] == 1  # one long-lived engine per method, one request at a time
     assert set(report["results"]["fixed"]["1"]) >= {"vs_plain"} and "vs_fixed" not in report["results"]["fixed"]["1"]
     versus = report["results"]["scheduled"]["1"]["vs_fixed"]
-    assert versus["requests"] == 8 and versus["groups"] == 4 and versus["aggregate"] > 0
+    assert versus["requests"] == 8 and versus["groups"] == 4
+    plain_rate = report["results"]["plain"]["1"]["tokens_per_s"]
+    for method in ("fixed", "scheduled"):  # the method's pooled rate over plain's (the same tokens on both sides)
+        row = report["results"][method]["1"]
+        assert row["vs_plain"]["aggregate"] == pytest.approx(row["tokens_per_s"] / plain_rate)
+    assert versus["aggregate"] == pytest.approx(report["results"]["scheduled"]["1"]["tokens_per_s"]
+                                                / report["results"]["fixed"]["1"]["tokens_per_s"])
     assert report["results"]["plain"]["1"]["mean_verify_tokens_per_step"] == 0
     assert set(report["measurements"]) == {"scheduled"}
+    calls.clear()  # two methods: each prompt's two passes go both ways
+    bench.bench_interleaved(target, drafter, prompts[:2], ["plain", "fixed"], max_new_tokens=4, repeats=2,
+                            warmup=False, log=lambda line: None)
+    assert [method for method, _ in calls] == [p, f, f, p, f, p, p, f]
 
 
 def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
@@ -1204,7 +1297,12 @@ def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
 
     assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--concurrency", "1", "4"]) == 1
     err = capsys.readouterr().err
-    assert "--interleave" in err and "--concurrency 1 (got 1 4)" in err
+    assert "--interleave" in err and "needs --concurrency 1, got 1 4" in err
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--cold-engines"]) == 1
+    err = capsys.readouterr().err
+    assert "long-lived engine" in err and "--cold-engines" in err
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--lockstep"]) == 1
+    assert "choose one" in capsys.readouterr().err
 
 
 def test_nondecreasing_fit():

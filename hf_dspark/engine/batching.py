@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -741,6 +741,9 @@ class DSparkEngine:
             file) and each starts from what the others measured instead of paying to learn it again; it must come
             from the same target, drafter, device, dtype and thread count (else ``ValueError``). Default: a fresh one.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
+        clock: the time source of each request's timestamps (arrival, start, first token, finish: its
+            ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
+            of several engines stepped in turn a clock that runs only during its own steps.
     """
 
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
@@ -751,7 +754,8 @@ class DSparkEngine:
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, seed: int = 0):
+                 measurements: EngineMeasurements | None = None, seed: int = 0,
+                 clock: Callable[[], float] = time.perf_counter):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -830,7 +834,8 @@ class DSparkEngine:
         default_eos = target.generation_config.eos_token_id
         self._default_eos = frozenset([] if default_eos is None else
                                       [default_eos] if isinstance(default_eos, int) else list(default_eos))
-        self._clock0 = time.perf_counter()
+        self._clock = clock
+        self._clock0 = clock()
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request] = []
         self._cache: RaggedBatchCache | None = None
@@ -843,7 +848,7 @@ class DSparkEngine:
     # Requests
     # --------------------------------------------------------------------------------------------------------------
     def _now(self) -> float:
-        return time.perf_counter() - self._clock0
+        return self._clock() - self._clock0
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue a request (token ids: list, 1D tensor or [1, n] tensor); it joins at the next step with room."""

@@ -147,10 +147,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: int, measurements) -> DSparkEngine:
-    """An engine for one method (``parse_method``'s keyword arguments); scheduled ones price their budget from
-    ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
-    kwargs = dict(engine_kwargs)
+def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: int, measurements,
+            **extra) -> DSparkEngine:
+    """An engine for one method (``parse_method``'s keyword arguments, and ``extra`` ones); scheduled ones price their
+    budget from ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
+    kwargs = {**engine_kwargs, **extra}
     if kwargs["method"] == "scheduled":
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
@@ -178,6 +179,77 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     bar.close()
     outputs = [engine.outputs[i] for i in ids]
     return _summary(outputs, wall, concurrency, engine), [o.token_ids for o in outputs]
+
+
+def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                 specs: dict[str, dict], sps=None, seed: int = 0, measured: dict | None = None,
+                 shift: int = 0) -> dict[str, tuple[dict, list[list[int]]]]:
+    """``run_once`` for several methods side by side: one engine per method (``specs``: name -> engine keyword
+    arguments), each given every prompt, and one ``step()`` at a time of the engine furthest behind (tokens
+    emitted, a finished request counting its whole ``max_new_tokens``; ties go round in turn, starting ``shift``
+    methods in), until all are done. Faster methods step less often, so every engine reaches its end at about the
+    same time and a drift of the shared machine lands on all of them alike, instead of on whichever ran in a slow
+    minute or ran on alone. Each method's wall time is the sum of its own steps, and its requests' timestamps count
+    its own steps only (a ``StepClock`` per engine). Returns ``{name: (summary, each request's tokens)}``
+    (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
+    from tqdm.auto import tqdm
+
+    measured = measured or {}
+    names = list(specs)
+    names = names[shift % len(names):] + names[: shift % len(names)]
+    clocks = {name: StepClock() for name in names}
+    engines = {name: _engine(target, drafter, concurrency, specs[name], sps, seed, measured.get(name),
+                             clock=clocks[name]) for name in names}
+    ids = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
+    done = dict.fromkeys(names, 0)
+    bar = tqdm(total=len(names) * len(prompts), desc=f"lockstep c={concurrency}", unit="request", leave=False)
+    turn = 0
+    while True:
+        active = [name for name in names if engines[name].has_unfinished()]
+        if not active:
+            break
+        name = min(active, key=lambda n: (done[n], (names.index(n) - turn) % len(names)))
+        _sync(target)
+        with clocks[name]:
+            events = engines[name].step()
+            _sync(target)
+        for event in events:
+            done[name] += len(event.token_ids)
+            if event.finished:
+                done[name] += params.max_new_tokens - len(engines[name].outputs[event.request_id].token_ids)
+                bar.update()
+        turn += 1
+    bar.close()
+    out = {}
+    for name in specs:
+        outputs = [engines[name].outputs[i] for i in ids[name]]
+        summary = _summary(outputs, clocks[name](), concurrency, engines[name])
+        summary["lockstep"] = True
+        out[name] = (summary, [o.token_ids for o in outputs])
+    return out
+
+
+class StepClock:
+    """A clock that runs only inside ``with clock:`` blocks (``time.perf_counter`` seconds, summed over the blocks):
+    an engine's time when several are stepped in turn (``DSparkEngine(clock=...)``)."""
+
+    def __init__(self):
+        self.spent = 0.0
+        self._started: float | None = None
+
+    def __call__(self) -> float:
+        running = 0.0 if self._started is None else time.perf_counter() - self._started
+        return self.spent + running
+
+    def __enter__(self) -> "StepClock":
+        if self._started is not None:
+            raise RuntimeError("StepClock is already running")
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.spent += time.perf_counter() - self._started
+        self._started = None
 
 
 def _summary(outputs: list, wall: float, concurrency: int, engine: DSparkEngine) -> dict:
@@ -285,7 +357,8 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                 schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
-                share_measurements: bool = True, measurements: dict | None = None, log=print) -> dict:
+                share_measurements: bool = True, measurements: dict | None = None, lockstep: bool = False,
+                log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
     ``repeats`` > 1 runs the methods of each concurrency round-robin that many times (each repeat starting one method
@@ -307,6 +380,10 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     ``measurements``: ``{method: EngineMeasurements}`` a scheduled method starts from instead of nothing (with
     ``share_measurements``), e.g. what an earlier report measured (``measurements_from_report``): a server that has
     already learned this machine, without the runs that learn it. The objects are added to.
+
+    ``lockstep``: each repeat runs its methods side by side instead of one after the other (``run_lockstep``: one
+    step at a time of the engine furthest behind, each method timed on its own steps, all reaching their ends
+    together), so the paired ratios of a repeat are not moved by the machine slowing down during one method's run.
     """
     specs, params, sps, measured = _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens,
                                             temperature, top_p, schedule, sps, seed, warmup, repeats,
@@ -320,10 +397,12 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         for repeat in range(repeats):
             # Each repeat starts one method later, so no method always runs right after the same other one (a run
             # after fixed-length verification's wide steps may find the memory allocator or caches in another state).
-            for name in names[repeat % len(names):] + names[: repeat % len(names)]:
-                spec = specs[name]
-                summary, tokens = run_once(target, drafter, prompts, params, concurrency, spec, sps, seed,
-                                           measured.get(name))
+            order = names[repeat % len(names):] + names[: repeat % len(names)]
+            together = (run_lockstep(target, drafter, prompts, params, concurrency, specs, sps, seed, measured,
+                                     shift=repeat) if lockstep else None)
+            for name in order:
+                summary, tokens = together[name] if lockstep else run_once(
+                    target, drafter, prompts, params, concurrency, specs[name], sps, seed, measured.get(name))
                 runs[name].append((summary, tokens))
                 log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
                     f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
@@ -364,13 +443,14 @@ def against_baseline_by_request(tokens: list[int], seconds: list[float], baselin
     so a drift of a shared machine hits both sides of a pair alike:
 
     - ``aggregate``: the ratio of aggregate throughputs, sum(tokens) / sum(seconds) on each side;
-    - ``per_request_geomean``: the geometric mean of the pairs' tokens/s ratios, and their range.
+    - ``per_request_geomean``: the geometric mean over groups of each group's geometric mean of its pairs' tokens/s
+      ratios (with groups of one pair, or all of one size, simply the pairs' geometric mean), and the pairs' range.
 
-    Their standard errors (``aggregate_se_factor``, ``per_request_se_factor``: x/÷ factors, None with one group) treat
-    ``groups`` (a label per pair; default: every pair its own) as the independent units: pairs of the same prompt in
-    several passes share that prompt's effect, so they are resampled together. The aggregate's is the spread of its
-    log over ``resamples`` bootstrap resamples of the groups; the per-request one, the standard error of the mean of
-    the groups' mean log ratios.
+    Their standard errors (``aggregate_se_factor``, ``per_request_se_factor``: x/÷ factors) treat ``groups`` (a label
+    per pair; default: every pair its own) as the independent units: pairs of the same prompt in several passes share
+    that prompt's effect, so they are resampled together. The aggregate's is the spread of its log over ``resamples``
+    bootstrap resamples of the groups (None with one group or fewer than two resamples); the per-request one, the
+    standard error of the mean of the groups' mean log ratios (None with one group).
     """
     n = len(tokens)
     groups = list(range(n)) if groups is None else list(groups)
@@ -397,7 +477,7 @@ def against_baseline_by_request(tokens: list[int], seconds: list[float], baselin
             "groups": len(clusters),
             "aggregate": aggregate(range(n)),
             "aggregate_se_factor": math.exp(statistics.stdev(boot)) if len(boot) > 1 else None,
-            "per_request_geomean": math.exp(statistics.fmean(logs)),
+            "per_request_geomean": math.exp(statistics.fmean(means)),
             "per_request_se_factor": (math.exp(statistics.stdev(means) / math.sqrt(len(means)))
                                       if len(means) > 1 else None),
             "per_request_range": [math.exp(min(logs)), math.exp(max(logs))]}
@@ -432,16 +512,22 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
                       temperature: float = 0.0, top_p: float | None = None, schedule: str = "padded", sps=None,
                       seed: int = 0, warmup: bool = True, repeats: int = 1, measurements: dict | None = None,
                       log=print) -> dict:
-    """Concurrency 1, compared request by request: one long-lived engine per method, and every prompt served by each
-    method in turn, back to back (which method goes first rotates with the prompt and the repeat), ``repeats``
-    passes over the prompts.
+    """Concurrency 1, compared request by request: one long-lived engine per method (a server that keeps running, so
+    a scheduled engine's learning, its shared measurements and its survival correction, carries from pass to pass),
+    and every prompt served by each method in turn, back to back, ``repeats`` passes over the prompts. The order
+    rotates with the prompt (and with every second pass), and each odd pass serves every prompt in the reverse of
+    its order in the pass before: over each two passes a method follows each other method as often as it precedes
+    it, on every prompt.
 
-    At one request at a time a server's aggregate throughput is its requests' tokens over their summed times, so
-    this measures what ``bench_serve`` does at concurrency 1. But a pair of runs of the same request lies about a
-    second apart instead of a whole run: the drift of a shared machine (often 10% between whole runs here) cancels
-    in each pair, and every request is a pair. Returns ``bench_serve``'s report shape at concurrency "1": with plain
-    among the methods, every other method gets ``vs_plain``, and scheduled methods ``vs_<name>`` for each fixed one
-    (``against_baseline_by_request``); ``runs_tokens_per_s`` lists each pass's throughput."""
+    At one request at a time a server's aggregate throughput is its requests' tokens over their summed times (each
+    timed from its admission and prefill to its last token), so this measures what ``bench_serve`` does at
+    concurrency 1. But the two runs of a pair lie about a second apart instead of a whole run: the drift of a shared
+    machine (often 10% between whole runs here) cancels in each pair, and every request is a pair.
+
+    Returns a report like ``bench_serve``'s at concurrency "1", except that each method's ``tokens_per_s`` pools every
+    pass (``runs_tokens_per_s`` lists each pass's) and its ``vs_plain`` (every other method, with plain among the
+    methods) and ``vs_<fixed>`` (scheduled methods, for each fixed-length one) are ``against_baseline_by_request``'s,
+    with each prompt's pairs as one group."""
     specs, params, sps, measured = _prepare(target, drafter, prompts, methods, [1], max_new_tokens, temperature,
                                             top_p, schedule, sps, seed, warmup, repeats, True, measurements, log)
     names = list(specs)
@@ -453,8 +539,9 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
     bar = tqdm(total=repeats * len(prompts), desc="interleaved c=1", unit="prompt", leave=False)
     for repeat in range(repeats):
         for index, prompt in enumerate(prompts):
-            shift = (index + repeat) % len(names)
-            for name in names[shift:] + names[:shift]:
+            shift = (index + repeat // 2) % len(names)
+            order = names[shift:] + names[:shift]
+            for name in (order if repeat % 2 == 0 else order[::-1]):
                 output, wall = serve_request(engines[name], prompt, params, target)
                 outputs[name].append(output)
                 seconds[name].append(wall)
@@ -523,6 +610,6 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["add_measurement_arguments", "against_baseline", "against_baseline_by_request", "bench_interleaved",
-           "bench_serve", "encode_prompts", "load_measurement_setup", "measurements_from_report", "parse_method",
-           "plot_bench", "run_once", "serve", "serve_request"]
+__all__ = ["StepClock", "add_measurement_arguments", "against_baseline", "against_baseline_by_request",
+           "bench_interleaved", "bench_serve", "encode_prompts", "load_measurement_setup", "measurements_from_report",
+           "parse_method", "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
