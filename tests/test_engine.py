@@ -1174,7 +1174,8 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
         row = report["results"][method]["3"]
         assert row["identical_to_plain"] == "5/5" and row["tokens"] == 50 and len(row["runs_tokens_per_s"]) == 2
         assert row["lockstep"]
-        assert (row["mean_verify_tokens_per_step"] > 0) == (method != "plain")  # each method's own engine's stats
+        if method != "scheduled":  # each method's own engine's stats (whether scheduled drafts depends on timings)
+            assert (row["mean_verify_tokens_per_step"] > 0) == (method == "fixed")
         # each run is timed on its own engine's steps only
         for repeat, rate in enumerate(row["runs_tokens_per_s"]):
             own = sum(d for engine, m, d in steps if engine in engines[3 * repeat: 3 * repeat + 3] and m == method)

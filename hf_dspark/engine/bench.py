@@ -354,6 +354,20 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     return specs, params, sps, measured
 
 
+def _plain(specs: dict[str, dict]) -> str | None:
+    """The first plain method of a bench (every other is compared with it), or None."""
+    return next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
+
+
+def _baselines(specs: dict[str, dict], name: str) -> list[str]:
+    """The methods ``name`` is compared with: plain (unless it is plain), and each fixed-length method for a
+    scheduled one."""
+    plain = _plain(specs)
+    fixed = [other for other, spec in specs.items() if spec["method"] == "fixed"]
+    return ([plain] if plain is not None and name != plain else []) + (
+        fixed if specs[name]["method"] == "scheduled" else [])
+
+
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                 schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
@@ -416,14 +430,9 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                 reference = tokens
             results[name][str(concurrency)] = summary
             results[name][str(concurrency)]["_tokens"] = tokens
-        baseline = next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
-        fixed = [name for name, spec in specs.items() if spec["method"] == "fixed"]
         for name in methods:
             row = results[name][str(concurrency)]
-            # every method against plain; scheduled ones also against each fixed-length one
-            others = ([baseline] if baseline is not None and name != baseline else []) + (
-                fixed if specs[name]["method"] == "scheduled" else [])
-            for other in others:
+            for other in _baselines(specs, name):
                 ratios = against_baseline(row["runs_tokens_per_s"],
                                           results[other][str(concurrency)]["runs_tokens_per_s"])
                 row[f"vs_{other}"] = ratios
@@ -536,6 +545,10 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
     seconds: dict[str, list[float]] = {name: [] for name in names}
     from tqdm.auto import tqdm
 
+    def rate(name: str, repeat: int) -> float:  # a method's tokens/s over one pass
+        done = slice(repeat * len(prompts), (repeat + 1) * len(prompts))
+        return sum(len(o.token_ids) for o in outputs[name][done]) / sum(seconds[name][done])
+
     bar = tqdm(total=repeats * len(prompts), desc="interleaved c=1", unit="prompt", leave=False)
     for repeat in range(repeats):
         for index, prompt in enumerate(prompts):
@@ -546,28 +559,20 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
                 outputs[name].append(output)
                 seconds[name].append(wall)
             bar.update()
-        done = slice(repeat * len(prompts), (repeat + 1) * len(prompts))
-        log("pass {}: ".format(repeat + 1) + ", ".join(
-            f"{name} {sum(len(o.token_ids) for o in outputs[name][done]) / sum(seconds[name][done]):.1f} tok/s"
-            for name in names))
+        log(f"pass {repeat + 1}: " + ", ".join(f"{name} {rate(name, repeat):.1f} tok/s" for name in names))
     bar.close()
     results: dict[str, dict[str, dict]] = {}
     for name in names:
         summary = _summary(outputs[name], sum(seconds[name]), 1, engines[name])
-        passes = [slice(r * len(prompts), (r + 1) * len(prompts)) for r in range(repeats)]
-        summary["runs_tokens_per_s"] = [sum(len(o.token_ids) for o in outputs[name][p]) / sum(seconds[name][p])
-                                        for p in passes]
+        summary["runs_tokens_per_s"] = [rate(name, repeat) for repeat in range(repeats)]
         summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
         summary["interleaved"] = True
         results[name] = {"1": summary}
-    baseline = next((name for name in names if specs[name]["method"] == "plain"), None)
-    fixed = [name for name in names if specs[name]["method"] == "fixed"]
+    baseline = _plain(specs)
     prompt_of = [index for _ in range(repeats) for index in range(len(prompts))]  # each prompt's passes: one unit
     for name in names:
         row = results[name]["1"]
-        others = ([baseline] if baseline is not None and name != baseline else []) + (
-            fixed if specs[name]["method"] == "scheduled" else [])
-        for other in others:
+        for other in _baselines(specs, name):
             ratios = against_baseline_by_request([len(o.token_ids) for o in outputs[name]], seconds[name],
                                                  [len(o.token_ids) for o in outputs[other]], seconds[other],
                                                  groups=prompt_of)
