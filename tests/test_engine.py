@@ -193,6 +193,8 @@ def test_deferred_drafter_context_matches_eager_projection():
             rows_history[r].append(features[r, :n])
 
     def check(context, rows_history, rows):
+        # the pending counts the realized gate prices a catch-up by follow the pending features
+        assert context.pending_counts == [sum(p.shape[0] for _, p in row) for row in context.pending]
         for r in rows:
             assert context.num_pending(r) == 0
             expected = drafter.new_context_cache()
@@ -221,6 +223,7 @@ def test_deferred_drafter_context_matches_eager_projection():
         defer(joining, history[2:], 6, [6])
         context.append_rows([joining])
         assert context.num_rows == 3 and len(context.pending) == 3
+        assert [context.num_pending(r) for r in range(3)] == [0, 3, 6]  # old row 0 did not flush again
         context.flush(drafter, [0, 1, 2])
         check(context, history, [0, 1, 2])
         context.compact()
@@ -776,6 +779,58 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
         DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], method="scheduled", measurements=loaded)
     with pytest.raises(ValueError, match="not an engine measurements file"):
         EngineMeasurements.from_dict({"key": {}})
+
+
+def test_context_catch_ups_are_timed_and_price_a_remeasurement(tiny_targets, trained_drafters, monkeypatch):
+    """Each drafting step times the projection of its rows' pending target features (the context catch-up), and the
+    engine prices the next one at the measured seconds per position: what the realized gate adds to a
+    re-measurement's expected loss (``RealizedGate.drafting_allowed(catch_up=)``). The prices travel with saved
+    measurements; files written before them load with none."""
+    from hf_dspark.engine import EngineMeasurements
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
+    asked = []
+    allowed = EngineMeasurements.drafting_allowed
+
+    def spy(self, *args, **kwargs):
+        asked.append(args[5] if len(args) > 5 else kwargs.get("catch_up", 0.0))
+        return allowed(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineMeasurements, "drafting_allowed", spy)
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=1)
+    pending_at_flush = []
+    flush = DeferredDrafterContext.flush
+
+    def recording_flush(self, drafter_, rows):
+        pending_at_flush.append(sum(self.num_pending(r) for r in rows))
+        return flush(self, drafter_, rows)
+
+    monkeypatch.setattr(DeferredDrafterContext, "flush", recording_flush)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    engine.run()
+    for request_id, prompt in zip(ids, prompts):
+        assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 24)
+    measured = engine.measurements
+    assert sum(engine.stats.drafting) > 0 and pending_at_flush[0] >= 4 * 8  # the first catch-up: the prompts
+    assert [p for p, _ in measured.catch_up] == [p for p in pending_at_flush if p][-len(measured.catch_up):]
+    per_position = sum(s for _, s in measured.catch_up) / sum(p for p, _ in measured.catch_up)
+    assert per_position > 0 and measured.catch_up_seconds(100) == pytest.approx(100 * per_position)
+    # the gate was asked with the price of the drafting rows' pending positions (none pending on the first ask)
+    assert asked and all(c >= 0 for c in asked) and asked[0] == 0.0
+    engine.add_request(prompts[0], SamplingParams(max_new_tokens=4))
+    engine._admit()
+    assert engine._catch_up([0]) == pytest.approx(measured.catch_up_seconds(len(prompts[0])))
+    assert engine._catch_up([]) == 0.0
+    loaded = EngineMeasurements.from_dict(measured.to_dict())
+    assert list(loaded.catch_up) == list(measured.catch_up)
+    old_file = measured.to_dict()
+    del old_file["catch_up"]
+    assert EngineMeasurements.from_dict(old_file).catch_up_seconds(100) == 0.0
+    with pytest.raises(ValueError, match="catch-up needs"):
+        measured.record_catch_up(0, 0.1)
+    with pytest.raises(ValueError, match="catch_up entry"):
+        EngineMeasurements.from_dict({**old_file, "catch_up": [[1, 2, 3]]})
 
 
 def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gate(tiny_targets, trained_drafters):

@@ -367,6 +367,37 @@ def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
     assert rounds == 200 and budgeted.fresh_rounds[4] == 0
 
 
+def test_a_remeasurement_prices_the_context_catch_up_it_pays_first():
+    """A re-measurement's first round first projects what plain rounds verified while drafting was off (the
+    drafter's context catch-up): when drafting still loses, that is lost too, so the budget must cover it on top of
+    the rounds' shortfall. Without a budget the doubling wait alone decides; ``max_explore_interval`` still caps the
+    wait; a catch-up that is not a number of seconds is refused."""
+
+    def rounds_until_remeasured(catch_up: float, budget: float = 0.01, max_wait: int = 10_000) -> int:
+        gate = RealizedGate()
+        for _ in range(2):
+            gate.record_step(16, True, 8, 1.0)  # drafting: 8 tokens/s
+            gate.record_step(16, False, 8, 0.5)  # plain: 16 tokens/s, so drafting's shortfall is 50%
+        rounds = 0
+        while not gate.drafting_allowed(16, 4, max_wait, budget, catch_up=catch_up):
+            gate.record_step(16, False, 8, 0.5)
+            rounds += 1
+        assert gate.fresh_rounds[16] == 0  # a re-measurement starts
+        return rounds
+
+    # the rounds alone: 2 rounds x 1 s x 50% = 1 s, which 1% buys after 100 s of plain rounds since drafting last
+    # ran (the last measuring plain round and 199 more, of 0.5 s each)
+    assert rounds_until_remeasured(0.0) == 199
+    # a 1 s catch-up on top: 2 s, 200 s of plain rounds
+    assert rounds_until_remeasured(1.0) == 399
+    # no budget: the wait alone (4 rounds since drafting ran: the last measuring plain round and 3 more)
+    assert rounds_until_remeasured(1.0, budget=0) == 3
+    assert rounds_until_remeasured(1e9, max_wait=64) == 63  # never past the longest wait
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="catch_up"):
+            RealizedGate().drafting_verdict(16, 4, 64, 0.01, catch_up=bad)
+
+
 def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
     """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
     rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still

@@ -420,6 +420,8 @@ class DeferredDrafterContext(_ColumnAligned):
         self.pending = pending if pending is not None else [[] for _ in range(num_rows)]
         if len(self.pending) != num_rows:
             raise ValueError(f"{len(self.pending)} pending lists for {num_rows} rows")
+        # pending positions per row, kept as rows come and go (the realized gate prices a catch-up every step)
+        self.pending_counts = [sum(p.shape[0] for _, p in row) for row in self.pending]
 
     def _tensors(self) -> list[torch.Tensor]:
         return self.cache.keys + self.cache.values
@@ -430,11 +432,14 @@ class DeferredDrafterContext(_ColumnAligned):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         super().select_rows(rows)
-        self.pending = [self.pending[i] for i in rows.tolist()]
+        rows = rows.tolist()
+        self.pending = [self.pending[i] for i in rows]
+        self.pending_counts = [self.pending_counts[i] for i in rows]
 
     def append_rows(self, others: Sequence["DeferredDrafterContext"]) -> None:
         super().append_rows(others)
         self.pending = [p for part in (self, *others) for p in part.pending]
+        self.pending_counts = [n for part in (self, *others) for n in part.pending_counts]
 
     def defer(self, features: torch.Tensor | Sequence[torch.Tensor], positions: torch.Tensor,
               counts: Sequence[int]) -> None:
@@ -444,9 +449,10 @@ class DeferredDrafterContext(_ColumnAligned):
         for r, n in enumerate(counts):
             if n:
                 self.pending[r].append(([t[r, :n] for t in taps], positions[r, :n]))
+                self.pending_counts[r] += int(n)
 
     def num_pending(self, row: int) -> int:
-        return sum(p.shape[0] for _, p in self.pending[row])
+        return self.pending_counts[row]
 
     def flush(self, drafter, rows: Sequence[int]) -> None:
         """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
@@ -478,6 +484,7 @@ class DeferredDrafterContext(_ColumnAligned):
         self.valid = torch.cat([self.valid, columns], dim=1)
         for r in todo:
             self.pending[r] = []
+            self.pending_counts[r] = 0
         self.check_aligned()
 
     def rows_view(self, rows: Sequence[int]) -> tuple[DSparkContextCache, torch.Tensor]:
@@ -920,7 +927,11 @@ class DSparkEngine:
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
+            pending = sum(self._context.num_pending(i) for i in drafting)
+            started = time.perf_counter()
             self._context.flush(self.drafter, drafting)
+            if pending:
+                self.measurements.record_catch_up(pending, time.perf_counter() - started)
             started = time.perf_counter()
             drafts = self._draft(drafting)
             self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
@@ -1006,13 +1017,22 @@ class DSparkEngine:
             self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
 
-    def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None) -> bool:
+    def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None,
+                                  rows: Sequence[int] = ()) -> bool:
         """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates
-        (``representative``: this step's ``_representative()``, computed here when not given)."""
+        (``representative``: this step's ``_representative()``, computed here when not given; ``rows``: those that
+        would draft, whose context catch-up a re-measurement pays)."""
         if representative is None:
             representative = self._representative()
         return self.measurements.drafting_allowed(num_requests, self.explore_interval, self.max_explore_interval,
-                                                  self.explore_budget, representative)
+                                                  self.explore_budget, representative, self._catch_up(rows))
+
+    def _catch_up(self, rows: Sequence[int]) -> float:
+        """Expected seconds of projecting the pending target features of ``rows`` into the drafter's context (what a
+        drafting step pays first after they decoded plain), at the engine's measured price per position."""
+        if self._context is None or not rows:
+            return 0.0
+        return self.measurements.catch_up_seconds(sum(self._context.num_pending(i) for i in rows))
 
     def _representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
@@ -1277,7 +1297,8 @@ class DSparkEngine:
         if representative is None:
             representative = self._representative()
         if self.realized_gate and not self.measurements.drafting_verdict(
-                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative)[0]:
+                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative,
+                self._catch_up(candidates))[0]:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
             # about a millisecond, 1-2% of a plain step at 16 requests.
@@ -1308,7 +1329,7 @@ class DSparkEngine:
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due). With
             # every row chosen this is the question answered above.
             return self._skip("cannot_pay")
-        if self.realized_gate and not self._realized_allows_drafting(len(caps), representative):
+        if self.realized_gate and not self._realized_allows_drafting(len(caps), representative, chosen):
             return self._skip("gate_rows")
         return chosen
 

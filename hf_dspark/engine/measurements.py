@@ -22,6 +22,7 @@ from ..scheduling import RealizedGate, RoundWindow, realized_window
 
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
+CATCH_UP_WINDOW = 16  # recent context catch-ups behind the price of a catch-up per position
 MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
 MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
 
@@ -66,6 +67,10 @@ class EngineMeasurements(RealizedGate):
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
       machine) moves it by a thirty-second (less in longer windows), not by the 30% a moving average would.
 
+    - ``catch_up``: the last ``CATCH_UP_WINDOW`` context catch-ups, ``(positions, seconds)``: a drafting step first
+      projects the target features its rows verified while they did not draft; ``catch_up_seconds(positions)`` prices
+      the next one at their total seconds over total positions (the realized gate's price of a re-measurement);
+
     - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
       mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new
       engine sharing these measurements does not draft every first request just to learn what earlier ones showed;
@@ -84,6 +89,7 @@ class EngineMeasurements(RealizedGate):
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
+        self.catch_up: deque[tuple[int, float]] = deque(maxlen=CATCH_UP_WINDOW)
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
@@ -99,6 +105,17 @@ class EngineMeasurements(RealizedGate):
         self.verify_cost[key] = statistics.median(window)
         self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
+
+    def record_catch_up(self, positions: int, seconds: float) -> None:
+        """One context catch-up: ``positions`` pending target positions projected in ``seconds``."""
+        if positions < 1 or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a catch-up needs positions >= 1 and finite seconds >= 0, got {positions}, {seconds}")
+        self.catch_up.append((int(positions), float(seconds)))
+
+    def catch_up_seconds(self, positions: int) -> float:
+        """The expected seconds of catching up ``positions`` pending positions (0 before any catch-up was timed)."""
+        total = sum(p for p, _ in self.catch_up)
+        return positions * sum(s for _, s in self.catch_up) / total if total else 0.0
 
     def record_confidences(self, total: list[float], count: int) -> None:
         """Add ``count`` drafts whose per-position confidences sum to ``total``."""
@@ -170,6 +187,7 @@ class EngineMeasurements(RealizedGate):
             "realized": [[rows, drafted, [list(step) for step in window]]
                          for (rows, drafted), window in sorted(self.realized.items())],
             "confidence_prior": [self.confidence_count, self.confidence_sum],
+            "catch_up": [list(entry) for entry in self.catch_up],
         }
 
     @classmethod
@@ -194,6 +212,10 @@ class EngineMeasurements(RealizedGate):
             count, sums = data["confidence_prior"]
             if sums is not None:
                 out.record_confidences(sums, count)
+        for entry in data.get("catch_up") or []:  # files before it carry none
+            if len(entry) != 2:
+                raise ValueError(f"not an engine measurements file: catch_up entry {entry!r}")
+            out.record_catch_up(int(entry[0]), float(entry[1]))
         out.version = 1 if out.verify_cost else 0
         return out
 
@@ -210,5 +232,5 @@ class EngineMeasurements(RealizedGate):
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
+__all__ = ["CATCH_UP_WINDOW", "EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
            "ema", "measurement_key"]

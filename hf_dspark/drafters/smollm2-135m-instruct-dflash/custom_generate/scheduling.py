@@ -13,6 +13,7 @@ This file is self-contained (torch only): exported drafter folders carry it in `
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from typing import Any
 
@@ -448,7 +449,8 @@ class RealizedGate:
 
     # -- the realized gate ---------------------------------------------------------------------------------------
     def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True) -> bool:
+                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True,
+                         catch_up: float = 0.0) -> bool:
         """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
         whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
         rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
@@ -477,9 +479,15 @@ class RealizedGate:
         step after the prompt, whose drafts are accepted about twice as often as later ones): it drafts only on a
         verdict already measured, never as one of the few rounds that measure drafting (unmeasured, or re-measured),
         which wait for the next round instead. Two such rounds would make a verdict that later rounds overturn only
-        after drafting has lost through a window of them."""
+        after drafting has lost through a window of them.
+
+        ``catch_up``: seconds a drafting round now would spend before it drafts, bringing the drafter's context up to
+        date with what plain rounds verified since it last ran (the batched engine projects those features lazily,
+        when a row next drafts). A re-measurement of a losing side pays it on its first round, and it is lost with
+        the re-measurement when drafting still loses, so it is priced with ``remeasure_loss`` against the budget.
+        The rounds' own rates already carry the catch-ups they paid; this prices the next one."""
         allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget,
-                                                representative)
+                                                representative, catch_up)
         if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
             self.explore_wait[rows] = explore_interval
         elif action == "remeasure":
@@ -491,18 +499,21 @@ class RealizedGate:
         return allowed
 
     def drafting_verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True) -> tuple[bool, str | None]:
+                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True,
+                         catch_up: float = 0.0) -> tuple[bool, str | None]:
         """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
         ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
         side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
         drafting decision costs when the gate rules drafting out anyway."""
-        allowed, action = self._verdict(rows, explore_interval, max_explore_interval, explore_budget)
+        if not math.isfinite(catch_up) or catch_up < 0:
+            raise ValueError(f"catch_up must be a finite number of seconds >= 0, got {catch_up}")
+        allowed, action = self._verdict(rows, explore_interval, max_explore_interval, explore_budget, catch_up)
         if allowed and action != "reset" and not representative:
             return False, None  # a round that would measure drafting: wait for a representative one
         return allowed, action
 
     def _verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                 explore_budget: float) -> tuple[bool, str | None]:
+                 explore_budget: float, catch_up: float = 0.0) -> tuple[bool, str | None]:
         drafting = self.realized.get((rows, True))
         fresh = self.fresh_rounds.get(rows)
         if fresh is not None and fresh < REMEASURE_ROUNDS:
@@ -515,7 +526,7 @@ class RealizedGate:
             # last tokens, their drafts capped short): measure it here too, on the schedule a loss measured here
             # would get, the expected loss priced by the nearby size's rounds.
             return self._remeasure_verdict(rows, loser, self.realized_rate(loser, False), explore_interval,
-                                           max_explore_interval, explore_budget)
+                                           max_explore_interval, explore_budget, catch_up)
         plain = self.realized.get((rows, False))
         if plain is None or len(plain) < VERDICT_ROUNDS:
             # Drafting is measured here and plain not yet enough: measure plain now. A plain round costs nothing next
@@ -529,18 +540,21 @@ class RealizedGate:
         if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
-                                       explore_budget)
+                                       explore_budget, catch_up)
 
     def _remeasure_verdict(self, rows: int, priced_by: int, plain_rate: float, explore_interval: int,
-                           max_explore_interval: int, explore_budget: float) -> tuple[bool, str | None]:
+                           max_explore_interval: int, explore_budget: float,
+                           catch_up: float = 0.0) -> tuple[bool, str | None]:
         """Drafting loses at ``rows``: re-measure it once the wait is over and the expected loss (``remeasure_loss``
-        of the rounds at ``priced_by``, against ``plain_rate``) is within ``explore_budget`` of the plain rounds' time
-        since drafting last ran at ``rows`` (or ``max_explore_interval`` rounds have passed)."""
+        of the rounds at ``priced_by``, against ``plain_rate``, plus the ``catch_up`` its first round pays) is within
+        ``explore_budget`` of the plain rounds' time since drafting last ran at ``rows`` (or ``max_explore_interval``
+        rounds have passed)."""
         since = self.steps_since.get((rows, True), 0)
         if since < self.explore_wait.get(rows, explore_interval):
             return False, None
         if (explore_budget > 0 and since < max_explore_interval
-                and explore_budget * self.plain_seconds.get(rows, 0.0) < self.remeasure_loss(priced_by, plain_rate)):
+                and explore_budget * self.plain_seconds.get(rows, 0.0)
+                < self.remeasure_loss(priced_by, plain_rate) + catch_up):
             return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
         return True, "remeasure"
 
