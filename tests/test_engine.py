@@ -194,7 +194,7 @@ def test_deferred_drafter_context_matches_eager_projection():
 
     def check(context, rows_history, rows):
         # the pending counts the realized gate prices a catch-up by follow the pending features
-        assert context.pending_counts == [sum(p.shape[0] for _, p in row) for row in context.pending]
+        assert context.pending_counts == [sum(entry.count for entry in row) for row in context.pending]
         for r in rows:
             assert context.num_pending(r) == 0
             expected = drafter.new_context_cache()
