@@ -353,6 +353,13 @@ DRAFTING_MARGIN = 1.03
 # (bf16, 2 CPU threads), where drafting steps deliver 15-30% less than plain ones: at 2% the warm runs spent 2-7 of
 # their ~110 steps re-measuring drafting, about 1% of their time.
 EXPLORE_BUDGET = 0.005
+# While drafting wins, plain rounds are taken only now and then (``explore_interval`` apart), so the plain window's
+# rounds span many more rounds than the drafting window's, and a shared machine's speed drifts in between (here: steps
+# of one run at 16 requests went from 55 to 36 ms within a minute). The verdict then compares the last
+# ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds of the same stretch (``compared_rates``): a plain
+# window measured in a slow minute kept drafting on at 16 requests for 22-42 of a run's ~120 steps (windows of 269
+# against 286 tok/s, while plain steps then ran at 345), and the runs read 0.88-0.98 of plain.
+MATCHED_PLAIN_ROUNDS = 4
 
 
 def realized_window(rows: int) -> int:
@@ -424,6 +431,10 @@ class RealizedGate:
         self.explore_wait: dict[int, int] = {}  # R -> rounds before drafting is re-measured while it loses
         # R -> drafting rounds since its last re-measurement began (absent: the whole window counts)
         self.fresh_rounds: dict[int, int] = {}
+        # R -> rounds recorded at R; (R, drafted) -> the round numbers of the window's newest rounds (not saved: a
+        # loaded window's rounds have none, and verdicts use whole windows until plain rounds are numbered again)
+        self.round_count: dict[int, int] = {}
+        self.round_numbers: dict[tuple[int, bool], deque[int]] = {}
 
     def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
         """One whole round at ``rows`` requests: whether it drafted, the tokens it emitted, its seconds."""
@@ -432,6 +443,8 @@ class RealizedGate:
         if window is None:
             window = self.realized[key] = RoundWindow(maxlen=realized_window(rows))
         window.append((emitted, seconds))
+        self.round_count[rows] = self.round_count.get(rows, 0) + 1
+        self.round_numbers.setdefault(key, deque(maxlen=realized_window(rows))).append(self.round_count[rows])
         self.steps_since[key] = 0
         self.plain_seconds[rows] = 0.0 if drafted else self.plain_seconds.get(rows, 0.0) + float(seconds)
         if drafted and rows in self.fresh_rounds:
@@ -532,12 +545,12 @@ class RealizedGate:
             # Drafting is measured here and plain not yet enough: measure plain now. A plain round costs nothing next
             # to plain decoding, while every drafting round run before the verdict may be a loss.
             return False, None
-        plain_rate = self.realized_rate(rows, False)
+        drafting_rate, plain_rate = self.compared_rates(rows)
         # the plain side is refreshed at the same pace relative to its window at every batch size: a round every
         # explore_interval at 16 requests and more, every 16 * explore_interval at one request (512-round windows)
         refresh = explore_interval * realized_window(rows) // REALIZED_WINDOW
         fresh_plain = self.steps_since.get((rows, False), 0) < refresh
-        if self.drafting_rate(rows) >= DRAFTING_MARGIN * plain_rate:
+        if drafting_rate >= DRAFTING_MARGIN * plain_rate:
             return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
         return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
                                        explore_budget, catch_up)
@@ -584,9 +597,29 @@ class RealizedGate:
         below = [r for r in measured if r < rows]
         above = [r for r in measured if r > rows]
         for r in ([max(below)] if below else []) + ([min(above)] if above else []):
-            if self.drafting_rate(r) < DRAFTING_MARGIN * self.realized_rate(r, False):
+            drafting_rate, plain_rate = self.compared_rates(r)
+            if drafting_rate < DRAFTING_MARGIN * plain_rate:
                 return r
         return None
+
+    def compared_rates(self, rows: int) -> tuple[float | None, float | None]:
+        """The drafting and plain rates a verdict at ``rows`` compares: the last ``MATCHED_PLAIN_ROUNDS`` plain rounds
+        against the drafting rounds recorded since the first of them (only those of a re-measurement, once it has
+        run its rounds), when there are ``VERDICT_ROUNDS`` of those: both sides from the same stretch, so a machine
+        that ran slower or faster when the plain side was last measured does not decide. Otherwise (too few
+        numbered rounds) ``drafting_rate`` against the whole plain window."""
+        plain_numbers = self.round_numbers.get((rows, False))
+        drafting_numbers = self.round_numbers.get((rows, True))
+        if plain_numbers and drafting_numbers and len(plain_numbers) >= MATCHED_PLAIN_ROUNDS:
+            start = plain_numbers[-MATCHED_PLAIN_ROUNDS]
+            since = sum(1 for _ in itertools.takewhile(lambda n: n > start, reversed(drafting_numbers)))
+            fresh = self.fresh_rounds.get(rows)
+            if fresh is not None and fresh >= REMEASURE_ROUNDS:
+                since = min(since, fresh)
+            if since >= VERDICT_ROUNDS:
+                return (self.realized_rate(rows, True, last=since),
+                        self.realized_rate(rows, False, last=MATCHED_PLAIN_ROUNDS))
+        return self.drafting_rate(rows), self.realized_rate(rows, False)
 
     def drafting_rate(self, rows: int) -> float | None:
         """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
@@ -767,6 +800,7 @@ __all__ = [
     "EXPLORE_BUDGET",
     "PrefixSchedulerPolicy",
     "REALIZED_REQUEST_ROUNDS",
+    "MATCHED_PLAIN_ROUNDS",
     "REALIZED_WINDOW",
     "REMEASURE_ROUNDS",
     "RealizedGate",

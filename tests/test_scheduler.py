@@ -367,6 +367,44 @@ def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
     assert rounds == 200 and budgeted.fresh_rounds[4] == 0
 
 
+def test_a_verdict_compares_both_sides_over_the_same_stretch():
+    """While drafting wins, plain rounds come one every ``explore_interval``, so the plain window spans far more
+    rounds than the drafting one. A machine that ran slower while the plain window was measured must not keep
+    drafting on: the verdict compares the last ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds since
+    the first of them. Here the machine speeds up 1.5x; drafting then delivers 1.25x the slow plain window but less
+    than the plain rounds of its own stretch."""
+    from hf_dspark.scheduling import MATCHED_PLAIN_ROUNDS, VERDICT_ROUNDS
+
+    assert MATCHED_PLAIN_ROUNDS == 4
+    rows, refresh = 16, 16
+
+    def run(matched: bool) -> list[bool]:
+        gate = RealizedGate()
+        for _ in range(32):
+            gate.record_step(rows, False, 16, 1.0)  # plain in a slow minute: 16 tokens/s
+        for _ in range(2):
+            gate.record_step(rows, True, 30, 1.0)  # drafting then: 30 tokens/s, it wins
+        decisions = []
+        for step in range(6 * refresh):
+            allowed = gate.drafting_allowed(rows, refresh, 1024, 0)
+            decisions.append(allowed)
+            # the machine is now 1.5x faster: plain 24 tokens/s, drafting 20 (it truly loses)
+            gate.record_step(rows, allowed, 20 if allowed else 24, 1.0)
+            if not matched:
+                gate.round_numbers.clear()  # as if no round were numbered: whole windows decide
+        return decisions
+
+    stale = run(matched=False)
+    assert sum(stale) > 5 * refresh  # the old plain window keeps drafting on, a plain round every refresh
+    fresh = run(matched=True)
+    # drafting goes off once MATCHED_PLAIN_ROUNDS refreshed plain rounds exist (and stays off until a re-measurement)
+    assert sum(fresh) <= MATCHED_PLAIN_ROUNDS * (refresh + 1) and not any(fresh[-refresh:]), fresh
+    gate = RealizedGate()  # too few drafting rounds in the stretch: the windows decide
+    for drafted in [False] * 4 + [True] * (VERDICT_ROUNDS - 1):
+        gate.record_step(rows, drafted, 16, 1.0)
+    assert gate.compared_rates(rows) == (gate.drafting_rate(rows), gate.realized_rate(rows, False))
+
+
 def test_a_remeasurement_prices_the_context_catch_up_it_pays_first():
     """A re-measurement's first round first projects what plain rounds verified while drafting was off (the
     drafter's context catch-up): when drafting still loses, that is lost too, so the budget must cover it on top of

@@ -723,7 +723,8 @@ class DSparkEngine:
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (defaults 16 and
             ``ENGINE_MAX_EXPLORE_INTERVAL``, 1024).
         explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
-            steps at the measured shortfall) is at most this fraction of the plain steps' time since drafting last
+            steps at the measured shortfall, plus the context catch-up of the rows that would draft, at the measured
+            seconds per pending position: ``EngineMeasurements.catch_up``) is at most this fraction of the plain steps' time since drafting last
             ran at that batch size, or after ``max_explore_interval`` steps (``RealizedGate.drafting_allowed``; 0: the
             doubling wait alone). Drafting that lost narrowly is re-measured soon, drafting that lost by 45% (SmolLM2
             at 64 requests) rarely. Default ``ENGINE_EXPLORE_BUDGET`` (0.001, a fifth of single-sequence generation's:
