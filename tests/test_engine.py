@@ -670,8 +670,32 @@ def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
 
     monkeypatch.setattr(engine, "_stale_confidences", decided)
     assert engine._drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
+    assert engine._gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
     with pytest.raises(AssertionError, match="the drafting decision ran"):
         engine._drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
+    assert not engine._gate_ruled_out
+
+
+def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trained_drafters):
+    """The cost model's factor (``model_factor``) learns from the steps it decided. A step whose drafting the
+    realized gate ruled out before asking the model is not one of them (and pricing it would re-price the SPS
+    table every step); a plain step the model chose is."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
+    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_budget=0,
+                          max_explore_interval=10_000, explore_interval=10_000)
+    for drafted, emitted, seconds in ((True, 8, 1.0), (True, 8, 1.0), (False, 4, 0.01), (False, 4, 0.01)):
+        engine.measurements.record_step(4, drafted, emitted=emitted, seconds=seconds)  # drafting lost at 4 rows
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
+    engine.run()
+    for request_id, prompt in zip(ids, prompts):
+        assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
+    ruled_out = engine.stats.skips.get("gate", 0)
+    at_four = sum(1 for rows in engine.stats.active if rows == 4)
+    assert ruled_out >= at_four - 1 > 0 and not any(engine.stats.drafting)
+    checked = sum(len(window) for (bucket, drafted), window in engine.measurements.model_checks.items()
+                  if not drafted)
+    assert checked == engine.stats.steps - ruled_out, (checked, engine.stats.steps, ruled_out)
 
 
 def _fake_request(index: int, probe_wait: int = 4):
