@@ -711,8 +711,10 @@ class DSparkEngine:
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
             per batch size R, tokens emitted per second over recent whole steps (drafter, context
             catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
-            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster, R
-            decodes plain, drafting again after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
+            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
+            last 4 plain steps against the drafting steps since the first of them, ``RealizedGate.compared_rates``:
+            the two sides from the same stretch of a machine whose speed drifts), R decodes plain, drafting again
+            after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
             time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
             ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
             drafting has been measured twice at R and plain not yet twice, the next steps decode plain to measure that
@@ -726,11 +728,12 @@ class DSparkEngine:
             ``ENGINE_MAX_EXPLORE_INTERVAL``, 1024).
         explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
             steps at the measured shortfall, plus the context catch-up of the rows that would draft, at the measured
-            seconds per pending position: ``EngineMeasurements.catch_up``) is at most this fraction of the plain steps' time since drafting last
-            ran at that batch size, or after ``max_explore_interval`` steps (``RealizedGate.drafting_allowed``; 0: the
-            doubling wait alone). Drafting that lost narrowly is re-measured soon, drafting that lost by 45% (SmolLM2
-            at 64 requests) rarely. Default ``ENGINE_EXPLORE_BUDGET`` (0.001, a fifth of single-sequence generation's:
-            in a batch a re-measurement also desynchronises the requests, which its steps do not show).
+            seconds per pending position: ``EngineMeasurements.catch_up``) is at most this fraction of the plain
+            steps' time since drafting last ran at that batch size, or after ``max_explore_interval`` steps
+            (``RealizedGate.drafting_allowed``; 0: the doubling wait alone). Drafting that lost narrowly is
+            re-measured soon, drafting that lost by 45% (SmolLM2 at 64 requests) rarely. Default
+            ``ENGINE_EXPLORE_BUDGET`` (0.001, a fifth of single-sequence generation's: in a batch a re-measurement also
+            desynchronises the requests, which its steps do not show).
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
