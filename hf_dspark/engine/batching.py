@@ -468,6 +468,10 @@ class DeferredDrafterContext(_ColumnAligned):
     def num_pending(self, row: int) -> int:
         return self.pending_counts[row]
 
+    def pending_positions(self, rows: Sequence[int]) -> int:
+        """Pending positions over ``rows``: what projecting them (``flush``) has to go through."""
+        return sum(self.pending_counts[r] for r in rows)
+
     def flush(self, drafter, rows: Sequence[int]) -> None:
         """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
         path) and append them as new columns; the other rows get holes there."""
@@ -947,7 +951,7 @@ class DSparkEngine:
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
-            pending = sum(self._context.num_pending(i) for i in drafting)
+            pending = self._context.pending_positions(drafting)
             started = time.perf_counter()
             self._context.flush(self.drafter, drafting)
             if pending:
@@ -1054,7 +1058,7 @@ class DSparkEngine:
         drafting step pays first after they decoded plain), at the engine's measured price per position."""
         if self._context is None or not rows:
             return 0.0
-        return self.measurements.catch_up_seconds(sum(self._context.num_pending(i) for i in rows))
+        return self.measurements.catch_up_seconds(self._context.pending_positions(rows))
 
     def _representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step

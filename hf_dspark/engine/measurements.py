@@ -89,7 +89,8 @@ class EngineMeasurements(RealizedGate):
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
-        self.catch_up: deque[tuple[int, float]] = deque(maxlen=CATCH_UP_WINDOW)
+        # (positions, seconds) pairs with running totals: the same window as the realized gate's (tokens, seconds)
+        self.catch_up = RoundWindow(maxlen=CATCH_UP_WINDOW)
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
@@ -114,8 +115,8 @@ class EngineMeasurements(RealizedGate):
 
     def catch_up_seconds(self, positions: int) -> float:
         """The expected seconds of catching up ``positions`` pending positions (0 before any catch-up was timed)."""
-        total = sum(p for p, _ in self.catch_up)
-        return positions * sum(s for _, s in self.catch_up) / total if total else 0.0
+        rate = self.catch_up.rate()  # positions per second (None before the first, inf for free ones)
+        return positions / rate if rate else 0.0
 
     def record_confidences(self, total: list[float], count: int) -> None:
         """Add ``count`` drafts whose per-position confidences sum to ``total``."""
