@@ -354,8 +354,8 @@ DRAFTING_MARGIN = 1.03
 # their ~110 steps re-measuring drafting, about 1% of their time.
 EXPLORE_BUDGET = 0.005
 # While drafting wins, plain rounds are taken only now and then (``explore_interval`` apart), so the plain window's
-# rounds span many more rounds than the drafting window's, and a shared machine's speed drifts in between (here: steps
-# of one run at 16 requests went from 55 to 36 ms within a minute). The verdict then compares the last
+# rounds span many more rounds than the drafting window's, and a shared machine's speed drifts in between (here: ten
+# plain runs at 16 requests, one command, read 190 to 250 tokens/s). The verdict then compares the last
 # ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds of the same stretch (``compared_rates``): a plain
 # window measured in a slow minute kept drafting on at 16 requests for 22-42 of a run's ~120 steps (windows of 269
 # against 286 tok/s, while plain steps then ran at 345), and the runs read 0.88-0.98 of plain.
