@@ -382,8 +382,8 @@ def cmd_bench_serve(args) -> int:
     from pathlib import Path
 
     from .defaults import load_drafter_for
-    from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, measurements_from_report, parse_method,
-                               plot_bench)
+    from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, fix_allocator,
+                               measurements_from_report, parse_method, plot_bench)
     from .prompts import load_prompts
 
     for method in args.methods:
@@ -416,6 +416,8 @@ def cmd_bench_serve(args) -> int:
     if args.measurements and args.cold_engines:
         raise ValueError("--measurements gives the scheduled engines a start; --cold-engines starts each from nothing")
     start = measurements_from_report(args.measurements, args.methods) if args.measurements else None
+    allocator = None if args.dynamic_allocator else fix_allocator()
+    print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
           f"{len(prompts)} prompts, {args.max_new_tokens} new tokens", flush=True)
@@ -428,7 +430,7 @@ def cmd_bench_serve(args) -> int:
         report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
                              share_measurements=not args.cold_engines, lockstep=args.lockstep, **common)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
-    payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin,
+    payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin, "allocator": allocator,
                             "prompt_ids": [i for i, _ in prompts]}, **report}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -692,6 +694,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--threads", type=int, default=None)
     serve.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run of each method")
+    serve.add_argument("--dynamic-allocator", action="store_true",
+                       help="leave glibc malloc's thresholds adjusting themselves (by default they are pinned: "
+                            "engines run in one process otherwise read a few percent apart by which ran first)")
     serve.add_argument("--cold-engines", action="store_true",
                        help="start every scheduled run from no timings (a fresh server) instead of sharing one "
                             "method's measurements across its warm-up and runs (a long-lived server)")

@@ -1123,6 +1123,65 @@ def test_monotone_decreasing_fit():
     assert monotone_decreasing([]) == []
 
 
+_ALLOCATION_PROBE = """
+import ctypes, sys
+from hf_dspark.engine.bench import fix_allocator
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+if sys.argv[1] == "pinned":
+    print(fix_allocator(mmap_threshold=4 << 20))
+for size in (6 << 20, 3 << 20):  # bytes in mmapped blocks before and after each allocation
+    before = libc.mallinfo2().hblkhd
+    libc.malloc(size)
+    print(libc.mallinfo2().hblkhd - before >= size)
+"""
+
+
+def test_fix_allocator_serves_blocks_below_its_mmap_threshold_from_the_heap(monkeypatch):
+    import ctypes
+    import subprocess
+    import sys
+
+    from hf_dspark.engine import bench
+
+    if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc >= 2.33")
+
+    def probe(mode: str) -> list[str]:  # a fresh process: glibc's threshold as it starts, 128 KiB
+        done = subprocess.run([sys.executable, "-c", _ALLOCATION_PROBE, mode], capture_output=True, text=True,
+                              check=True)
+        return done.stdout.split("\n")[:-1]
+
+    assert probe("default") == ["True", "True"]  # both mapped
+    # pinned at 4 MiB: a 6 MiB block still its own mapping (asked first: the heap's top has no room yet), a 3 MiB
+    # one from the heap
+    assert probe("pinned") == ["glibc malloc pinned: mmap threshold 4 MiB, trim threshold 2047 MiB, top pad 256 MiB",
+                               "True", "False"]
+
+    class Refusing:
+        @staticmethod
+        def mallopt(param, value):
+            return 0
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Refusing())
+    with pytest.raises(RuntimeError, match="refused malloc mmap threshold"):
+        bench.fix_allocator()
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert bench.fix_allocator() is None  # not glibc: nothing pinned
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert bench.fix_allocator() is None
+
+
 def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
     from hf_dspark.engine.bench import bench_serve, plot_bench
 

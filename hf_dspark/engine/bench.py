@@ -11,15 +11,51 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from .batching import SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 << 31) - 1,
+                  top_pad: int = 256 << 20) -> str | None:
+    """Pin glibc malloc's thresholds for this process (``mallopt``): blocks up to ``mmap_threshold`` bytes come from
+    the heap, freed heap memory is kept up to ``trim_threshold``, and the heap grows ``top_pad`` bytes at a time.
+
+    By default glibc moves its mmap threshold up as large blocks are freed, so one engine's allocations change where
+    the next engine's come from, and whether they pay fresh page faults. Two engines stepped side by side in one
+    process (``run_lockstep``) then read a few percent apart depending on which of them was created and stepped first:
+    SmolLM2 at 16 requests, the plain engine against the scheduled one with drafting ruled out read 0.96-0.97 with
+    plain first and 1.03-1.04 with plain second; pinned, 0.988-1.001 either way (``reports/logs/
+    engine-overhead-gate-s27.txt``). A server runs one engine, so neither order is its speed. Setting any of these
+    turns glibc's adjustment off.
+
+    Returns what was set, or None where the C library is not glibc (nothing to pin; the benches run as they are).
+    Raises ``RuntimeError`` if glibc refuses a value."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    for name, param, value in (("mmap threshold", _M_MMAP_THRESHOLD, mmap_threshold),
+                               ("trim threshold", _M_TRIM_THRESHOLD, trim_threshold),
+                               ("top pad", _M_TOP_PAD, top_pad)):
+        if mallopt(param, value) != 1:
+            raise RuntimeError(f"glibc refused malloc {name} {value}")
+    return (f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, trim threshold {trim_threshold >> 20} "
+            f"MiB, top pad {top_pad >> 20} MiB")
 
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
