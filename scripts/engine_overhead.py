@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 from hf_dspark.engine import SamplingParams  # noqa: E402
-from hf_dspark.engine.bench import (add_measurement_arguments, fix_allocator, load_measurement_setup,  # noqa: E402
-                                   run_lockstep, run_once)
+from hf_dspark.engine.bench import (add_measurement_arguments, drafting_steps, fix_allocator,  # noqa: E402
+                                   load_measurement_setup, run_lockstep, run_once)
 from hf_dspark.engine.measurements import EngineMeasurements  # noqa: E402
 from hf_dspark.profiling import BatchedStepsPerSecond, load_or_profile_batched  # noqa: E402
 from hf_dspark.scheduling import StepsPerSecond  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
         measured[label] = EngineMeasurements()
         learning, _ = run_once(target, drafter, prompts, params, args.concurrency, specs[label], sps,
                                measurements=measured[label])
-        print(f"learning run: {learning['tokens_per_s']:.1f} tok/s, {_drafting_steps(learning)} drafting steps",
+        print(f"learning run: {learning['tokens_per_s']:.1f} tok/s, {drafting_steps(learning)} drafting steps",
               flush=True)
     else:
         sps = BatchedStepsPerSecond({r: StepsPerSecond([r, 2 * r, 8 * r], [10.0, 1e-3, 1e-4]) for r in sizes})
@@ -82,7 +82,7 @@ def main() -> None:
         runs = run_lockstep(target, drafter, prompts, params, args.concurrency, specs, sps=sps, measured=measured,
                             shift=repeat)
         (plain, _), (scheduled, _) = runs["plain"], runs[label]
-        drafted = _drafting_steps(scheduled)
+        drafted = drafting_steps(scheduled)
         if drafted and not args.gate:
             raise RuntimeError("the scheduled engine drafted: the prohibitive profile did not hold")
         ratios.append(scheduled["tokens_per_s"] / plain["tokens_per_s"])
@@ -101,10 +101,6 @@ def main() -> None:
     if gaps["other_s"]:
         print(f"scheduled - plain seconds per run, mean over the {len(gaps['other_s'])} repeats without drafting: "
               + "  ".join(f"{k[:-2]} {statistics.fmean(v):+.3f}" for k, v in gaps.items()))
-
-
-def _drafting_steps(summary: dict) -> int:
-    return sum(entry["drafting"]["steps"] for entry in summary["by_active_requests"].values())
 
 
 if __name__ == "__main__":

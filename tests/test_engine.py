@@ -1283,6 +1283,7 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
     prompts = in_distribution_prompts(target, 5)
     steps, original = [], batching.DSparkEngine.step
     created, make = [], bench._engine
+    max_new_tokens = 10
     done: dict = {}  # each engine's progress as lockstep counts it: tokens, a finished request its max_new_tokens
 
     def engine(*args, **kwargs):
@@ -1291,7 +1292,8 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
 
     def recording(self):
         assert isinstance(self._clock, bench.StepClock) and self._clock._started is not None  # its own clock runs
-        group = created[3 * (created.index(self) // 3): 3 * (created.index(self) // 3) + 3]  # this repeat's engines
+        first = 3 * (created.index(self) // 3)
+        group = created[first: first + 3]  # this repeat's engines
         # the engine that steps is one furthest behind of those still running
         assert done.get(self, 0) <= min((done.get(e, 0) for e in group if e is not self and e.has_unfinished()),
                                          default=done.get(self, 0))
@@ -1301,15 +1303,15 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
         for event in events:
             done[self] = done.get(self, 0) + len(event.token_ids)
             if event.finished:
-                done[self] += 10 - len(self.outputs[event.request_id].token_ids)
+                done[self] += max_new_tokens - len(self.outputs[event.request_id].token_ids)
         return events
 
     monkeypatch.setattr(bench, "_engine", engine)
     monkeypatch.setattr(batching.DSparkEngine, "step", recording)
     methods = ["plain", "fixed", "scheduled"]
     started = time.perf_counter()
-    report = bench.bench_serve(target, drafter, prompts, methods, [3], max_new_tokens=10, sps=DECREASING_SPS,
-                               repeats=2, warmup=False, lockstep=True, log=lambda line: None)
+    report = bench.bench_serve(target, drafter, prompts, methods, [3], max_new_tokens=max_new_tokens,
+                               sps=DECREASING_SPS, repeats=2, warmup=False, lockstep=True, log=lambda line: None)
     elapsed = time.perf_counter() - started
     engines = list(dict.fromkeys(engine for engine, _, _ in steps))
     assert len(engines) == 6  # one engine per method and repeat

@@ -333,12 +333,16 @@ def _format_ratios(ratios: dict) -> str:
             f"({min(ratios['paired']):.3f}-{max(ratios['paired']):.3f}{se})")
 
 
+def drafting_steps(summary: dict) -> int:
+    """Steps of one run (a ``run_once`` / ``run_lockstep`` summary) where some request drafted."""
+    return sum(entry["drafting"]["steps"] for entry in summary["by_active_requests"].values())
+
+
 def _counts(summary: dict) -> dict:
     """What one run did, machine noise aside: steps (and those where some request drafted), prefill forwards,
     slot-steps held for joiners, prefill seconds."""
-    drafting = sum(entry["drafting"]["steps"] for entry in summary["by_active_requests"].values())
-    return {"steps": summary["steps"], "drafting_steps": drafting, "prefill_calls": summary["prefill_calls"],
-            "held_slot_steps": summary["held_slot_steps"], "prefill_s": summary["prefill_s"]}
+    return {"steps": summary["steps"], "drafting_steps": drafting_steps(summary),
+            "prefill_calls": summary["prefill_calls"], "held_slot_steps": summary["held_slot_steps"], "prefill_s": summary["prefill_s"]}
 
 
 def _sync(model) -> None:
