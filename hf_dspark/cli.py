@@ -398,6 +398,10 @@ def cmd_bench_serve(args) -> int:
     if args.interleave and args.cold_engines:
         raise ValueError("--interleave serves every prompt on one long-lived engine per method; --cold-engines "
                          "starts every run from nothing")
+    if args.dynamic_allocator and args.pretouch is not None:
+        raise ValueError("--pretouch goes with the pinned allocator; --dynamic-allocator leaves glibc as it is")
+    if args.pretouch is not None and args.pretouch < 0:
+        raise ValueError(f"--pretouch must be >= 0 MiB, got {args.pretouch}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer, dtype = _setup_target(args)
     target = target.to(device)
@@ -416,7 +420,8 @@ def cmd_bench_serve(args) -> int:
     if args.measurements and args.cold_engines:
         raise ValueError("--measurements gives the scheduled engines a start; --cold-engines starts each from nothing")
     start = measurements_from_report(args.measurements, args.methods) if args.measurements else None
-    allocator = None if args.dynamic_allocator else fix_allocator()
+    allocator = None if args.dynamic_allocator else fix_allocator(
+        pretouch=(3072 if args.pretouch is None else args.pretouch) << 20)
     print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
@@ -697,6 +702,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dynamic-allocator", action="store_true",
                        help="leave glibc malloc's thresholds adjusting themselves (by default they are pinned: "
                             "engines run in one process otherwise read a few percent apart by which ran first)")
+    serve.add_argument("--pretouch", type=int, default=None, metavar="MIB",
+                       help="with the thresholds pinned, pre-touch this much heap first (default 3072 MiB, room for "
+                            "three engines' caches at 64 requests; 0: none), so that the page faults of fresh memory "
+                            "do not land on whichever engine first needs it (each run's count is in the report)")
     serve.add_argument("--cold-engines", action="store_true",
                        help="start every scheduled run from no timings (a fresh server) instead of sharing one "
                             "method's measurements across its warm-up and runs (a long-lived server)")

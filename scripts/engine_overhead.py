@@ -11,7 +11,8 @@ scheduling and any drafting), verification forwards, and the rest of its steps (
 SPS, repriced by measured steps) sharing one ``EngineMeasurements`` across repeats, after one learning run (not
 counted) in which the realized gate measures drafting at this concurrency; where the gate has ruled drafting out,
 this is the overhead of the gate's path (a re-measurement that drafts is reported on its repeat's line). glibc
-malloc's thresholds are pinned as ``bench-serve`` pins them (``fix_allocator``) unless ``--dynamic-allocator``.
+malloc's thresholds are pinned, and 3 GiB of heap pre-touched, as ``bench-serve`` does (``fix_allocator``) unless
+``--dynamic-allocator`` (or ``--pretouch 0``). Each engine's page faults over its own steps are shown.
 SmolLM2-135M + embedded drafter:
 
     python scripts/engine_overhead.py --concurrency 16 --repeats 3 --dtype bfloat16
@@ -54,9 +55,11 @@ def main() -> None:
                         help="the profiled SPS and a learned realized gate instead of a prohibitive profile")
     parser.add_argument("--dynamic-allocator", action="store_true",
                         help="leave glibc malloc's thresholds adjusting themselves (bench-serve's option)")
+    parser.add_argument("--pretouch", type=int, default=3072, metavar="MIB",
+                        help="heap pre-touched once the thresholds are pinned (bench-serve's option; 0: none)")
     add_measurement_arguments(parser)
     args = parser.parse_args()
-    allocator = None if args.dynamic_allocator else fix_allocator()
+    allocator = None if args.dynamic_allocator else fix_allocator(pretouch=args.pretouch << 20)
     print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     target, _, drafter, prompts = load_measurement_setup(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
@@ -90,10 +93,11 @@ def main() -> None:
         if not drafted:
             for name in gaps:
                 gaps[name].append(mine[name] - base[name])
-        print(f"repeat {repeat}: " + "  ".join(
+        engines = "  ".join(
             f"{name} {summary['wall_s']:6.2f} s (" + " ".join(f"{k[:-2]} {v:5.2f}" for k, v in _phases(summary).items())
-            + ")" for name, (summary, _) in runs.items()) + f"  scheduled / plain speed {ratios[-1]:.4f}"
-            + (f"  ({drafted} drafting steps)" if drafted else ""), flush=True)
+            + f", {summary['page_faults']} page faults)" for name, (summary, _) in runs.items())
+        print(f"repeat {repeat}: {engines}  scheduled / plain speed {ratios[-1]:.4f}"
+              + (f"  ({drafted} drafting steps)" if drafted else ""), flush=True)
     logs = [math.log(r) for r in ratios]
     se = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
     print(f"{label} / plain: geometric mean {math.exp(statistics.fmean(logs)):.4f} "

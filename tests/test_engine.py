@@ -1135,12 +1135,55 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 libc.malloc.restype = ctypes.c_void_p
 if sys.argv[1] == "pinned":
-    print(fix_allocator(mmap_threshold=4 << 20))
+    print(fix_allocator(mmap_threshold=4 << 20, pretouch=0))
 for size in (6 << 20, 3 << 20):  # bytes in mmapped blocks before and after each allocation
     before = libc.mallinfo2().hblkhd
     libc.malloc(size)
     print(libc.mallinfo2().hblkhd - before >= size)
 """
+
+_PRETOUCH_PROBE = """
+import ctypes, resource, sys
+from hf_dspark.engine.bench import fix_allocator
+
+print(fix_allocator(mmap_threshold=4 << 20, pretouch=int(sys.argv[1]) << 20))
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(16):  # 48 MiB written in blocks below the threshold: from the heap
+    block = libc.malloc(3 << 20)
+    ctypes.memset(block, 1, 3 << 20)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_fix_allocator_pretouches_the_heap_so_fresh_blocks_do_not_fault():
+    import ctypes
+    import subprocess
+    import sys
+
+    from hf_dspark.engine import bench
+
+    if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("needs glibc")
+
+    def probe(mib: int) -> tuple[str, int]:
+        done = subprocess.run([sys.executable, "-c", _PRETOUCH_PROBE, str(mib)], capture_output=True, text=True,
+                              check=True)
+        setting, faults = done.stdout.split("\n")[:2]
+        return setting, int(faults)
+
+    setting, cold = probe(0)
+    assert setting.endswith("top pad 256 MiB") and "pre-touched" not in setting
+    assert cold > 8000  # 12,288 pages of 4 KiB, each first written here (fewer only with transparent huge pages)
+    setting, warm = probe(64)
+    assert setting.endswith("top pad 256 MiB, 64 MiB of heap pre-touched")
+    assert warm < 1000  # the pre-touched pages were kept: nothing new to fault in
+    with pytest.raises(ValueError, match="pretouch must be >= 0"):
+        bench.fix_allocator(pretouch=-1)
+    with pytest.raises(ValueError, match="below the trim threshold"):
+        bench.fix_allocator(trim_threshold=1 << 30, pretouch=1 << 30)
 
 
 def test_fix_allocator_serves_blocks_below_its_mmap_threshold_from_the_heap(monkeypatch):
@@ -1161,7 +1204,7 @@ def test_fix_allocator_serves_blocks_below_its_mmap_threshold_from_the_heap(monk
     assert probe("default") == ["True", "True"]  # both mapped
     # pinned at 4 MiB: a 6 MiB block still its own mapping (asked first: the heap's top has no room yet), a 3 MiB
     # one from the heap
-    assert probe("pinned") == ["glibc malloc pinned: mmap threshold 4 MiB, trim threshold 2047 MiB, top pad 256 MiB",
+    assert probe("pinned") == ["glibc malloc pinned: mmap threshold 4 MiB, never trims, top pad 256 MiB",
                                "True", "False"]
 
     class Refusing:
@@ -1457,6 +1500,10 @@ def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
     assert "long-lived engine" in err and "--cold-engines" in err
     assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--lockstep"]) == 1
     assert "choose one" in capsys.readouterr().err
+    assert main(["bench-serve", "--prompts", "nowhere", "--dynamic-allocator", "--pretouch", "64"]) == 1
+    assert "--pretouch goes with the pinned allocator" in capsys.readouterr().err
+    assert main(["bench-serve", "--prompts", "nowhere", "--pretouch", "-1"]) == 1
+    assert "--pretouch must be >= 0 MiB" in capsys.readouterr().err
 
 
 def test_nondecreasing_fit():

@@ -28,10 +28,12 @@ from .batching import SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
-def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 << 31) - 1,
-                  top_pad: int = 256 << 20) -> str | None:
+def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = None, top_pad: int = 256 << 20,
+                  pretouch: int = 0) -> str | None:
     """Pin glibc malloc's thresholds for this process (``mallopt``): blocks up to ``mmap_threshold`` bytes come from
-    the heap, freed heap memory is kept up to ``trim_threshold``, and the heap grows ``top_pad`` bytes at a time.
+    the heap, freed heap memory is kept up to ``trim_threshold`` bytes (None: always kept), and the heap grows
+    ``top_pad`` bytes at a time. Then grow the heap by ``pretouch`` bytes, write every page and free them again (kept),
+    so that the engines find memory the kernel has already handed over.
 
     By default glibc moves its mmap threshold up as large blocks are freed, so one engine's allocations change where
     the next engine's come from, and whether they pay fresh page faults. Two engines stepped side by side in one
@@ -41,21 +43,59 @@ def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = (1 << 31
     engine-overhead-gate-s27.txt``). A server runs one engine, so neither order is its speed. Setting any of these
     turns glibc's adjustment off.
 
-    Returns what was set, or None where the C library is not glibc (nothing to pin; the benches run as they are).
-    Raises ``RuntimeError`` if glibc refuses a value."""
+    Pinned, memory freed stays with the process, but each page is still first written (a page fault) by whichever
+    engine first takes the process past its high-water mark, and engines stepped side by side hold their caches at
+    once. At 64 requests the scheduled engine also keeps its prompts' target features for the drafter (39 MB more
+    than plain for the 64 eval prompts), and in cold processes its first run faulted 75,000-127,000 pages while the
+    plain one beside it faulted 4,000-220,000, depending on which went first and how much was pre-touched
+    (``reports/logs/engine-overhead-c64-pretouch-s28.txt``). ``pretouch`` takes those faults out of the engines' runs
+    (3 GiB: 7 pages faulted in the scheduled engine's first run, 860 in plain's). What they cost is below this
+    machine's noise in those runs (the pair's ratio moved 0.91-1.08 either way), so this removes a confounder, not a
+    measured bias; each run's count is in the bench report (``runs_counts``).
+
+    Returns what was done, or None where the C library is not glibc (nothing to pin; the benches run as they are).
+    Raises ``RuntimeError`` if glibc refuses a value, ``ValueError`` for a ``pretouch`` glibc would trim again."""
+    if pretouch < 0 or (trim_threshold is not None and pretouch + top_pad >= trim_threshold):
+        raise ValueError(f"pretouch must be >= 0 and, with the top pad ({top_pad} bytes), below the trim threshold "
+                         f"({trim_threshold} bytes), got {pretouch}")
     if not sys.platform.startswith("linux"):
         return None
     try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
         return None
     for name, param, value in (("mmap threshold", _M_MMAP_THRESHOLD, mmap_threshold),
-                               ("trim threshold", _M_TRIM_THRESHOLD, trim_threshold),
+                               ("trim threshold", _M_TRIM_THRESHOLD, -1 if trim_threshold is None else trim_threshold),
                                ("top pad", _M_TOP_PAD, top_pad)):
         if mallopt(param, value) != 1:
             raise RuntimeError(f"glibc refused malloc {name} {value}")
-    return (f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, trim threshold {trim_threshold >> 20} "
-            f"MiB, top pad {top_pad >> 20} MiB")
+    trim = "never trims" if trim_threshold is None else f"trim threshold {trim_threshold >> 20} MiB"
+    done = f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, {trim}, top pad {top_pad >> 20} MiB"
+    if pretouch:
+        _pretouch_heap(libc, pretouch, max(1, mmap_threshold // 2))
+        done += f", {pretouch >> 20} MiB of heap pre-touched"
+    return done
+
+
+def _pretouch_heap(libc, size: int, chunk: int) -> None:
+    """Allocate ``size`` bytes of heap in blocks of ``chunk`` (below the mmap threshold: from the heap), write them
+    and free them, last first, so that they merge back into the heap's top."""
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    try:
+        for offset in range(0, size, chunk):
+            n = min(chunk, size - offset)
+            block = libc.malloc(n)
+            if not block:
+                raise MemoryError(f"could not pre-touch {size} bytes of heap")
+            blocks.append(block)
+            ctypes.memset(block, 0, n)
+    finally:
+        for block in reversed(blocks):
+            libc.free(block)
 
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
@@ -206,6 +246,7 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     ids = [engine.add_request(p, params) for p in prompts]
     bar = tqdm(total=len(ids), desc=f"{engine_kwargs['method']} c={concurrency}", unit="request", leave=False)
     _sync(target)
+    faults = page_faults()
     started = time.perf_counter()
     for event in engine.stream():
         if event.finished:
@@ -214,7 +255,9 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     wall = time.perf_counter() - started
     bar.close()
     outputs = [engine.outputs[i] for i in ids]
-    return _summary(outputs, wall, concurrency, engine), [o.token_ids for o in outputs]
+    summary = _summary(outputs, wall, concurrency, engine)
+    summary["page_faults"] = None if faults is None else page_faults() - faults
+    return summary, [o.token_ids for o in outputs]
 
 
 def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int,
@@ -226,8 +269,8 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     methods in), until all are done. Faster methods step less often, so every engine reaches its end at about the
     same time and a drift of the shared machine lands on all of them alike, instead of on whichever ran in a slow
     minute or ran on alone. Each method's wall time is the sum of its own steps, and its requests' timestamps count
-    its own steps only (a ``StepClock`` per engine). Returns ``{name: (summary, each request's tokens)}``
-    (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
+    its own steps only (a ``StepClock`` per engine), as do the page faults in its summary. Returns ``{name: (summary,
+    each request's tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
     from tqdm.auto import tqdm
 
     measured = measured or {}
@@ -238,6 +281,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
                              clock=clocks[name]) for name in names}
     ids = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
     done = dict.fromkeys(names, 0)
+    faults = dict.fromkeys(names, 0)
     bar = tqdm(total=len(names) * len(prompts), desc=f"lockstep c={concurrency}", unit="request", leave=False)
     turn = 0
     while True:
@@ -246,9 +290,12 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
             break
         name = min(active, key=lambda n: (done[n], (names.index(n) - turn) % len(names)))
         _sync(target)
+        before = page_faults()
         with clocks[name]:
             events = engines[name].step()
             _sync(target)
+        if before is not None:
+            faults[name] += page_faults() - before
         for event in events:
             done[name] += len(event.token_ids)
             if event.finished:
@@ -261,6 +308,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
         outputs = [engines[name].outputs[i] for i in ids[name]]
         summary = _summary(outputs, clocks[name](), concurrency, engines[name])
         summary["lockstep"] = True
+        summary["page_faults"] = faults[name] if page_faults() is not None else None
         out[name] = (summary, [o.token_ids for o in outputs])
     return out
 
@@ -340,9 +388,19 @@ def drafting_steps(summary: dict) -> int:
 
 def _counts(summary: dict) -> dict:
     """What one run did, machine noise aside: steps (and those where some request drafted), prefill forwards,
-    slot-steps held for joiners, prefill seconds."""
+    slot-steps held for joiners, prefill seconds, page faults during its steps."""
     return {"steps": summary["steps"], "drafting_steps": drafting_steps(summary),
-            "prefill_calls": summary["prefill_calls"], "held_slot_steps": summary["held_slot_steps"], "prefill_s": summary["prefill_s"]}
+            "prefill_calls": summary["prefill_calls"], "held_slot_steps": summary["held_slot_steps"],
+            "prefill_s": summary["prefill_s"], "page_faults": summary.get("page_faults")}
+
+
+def page_faults() -> int | None:
+    """This process's page faults so far (minor, first touches of memory; ``getrusage``), None where not counted."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _sync(model) -> None:
@@ -657,4 +715,4 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 __all__ = ["StepClock", "add_measurement_arguments", "against_baseline", "against_baseline_by_request",
            "bench_interleaved", "bench_serve", "encode_prompts", "load_measurement_setup", "measurements_from_report",
-           "parse_method", "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
+           "page_faults", "parse_method", "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
