@@ -564,25 +564,27 @@ def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
     finish apart), so the engine spends a fifth of single-sequence generation's exploration budget and lets the wait
     grow to ``ENGINE_MAX_EXPLORE_INTERVAL`` steps. SmolLM2-like numbers at 16 requests: drafting steps of 80 ms
     emitting 22 tokens (275 tok/s) against plain steps of 44 ms (364 tok/s): re-measured after ~890 plain steps, where
-    the single-sequence budget would re-measure after ~180."""
+    the single-sequence budget would re-measure after ~180; with a 0.1 s context catch-up to pay as well (16 rows
+    that decoded plain since), after ~3150, which the cap (4096) leaves to the budget."""
     from hf_dspark.engine import ENGINE_EXPLORE_BUDGET, ENGINE_MAX_EXPLORE_INTERVAL
     from hf_dspark.scheduling import EXPLORE_BUDGET
 
     target = make_target("llama")
     drafter = make_drafter(target)
 
-    def plain_steps_until_remeasured(**kwargs) -> int:
+    def plain_steps_until_remeasured(catch_up: float = 0.0, **kwargs) -> int:
         engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, **kwargs)
         for _ in range(4):
             engine.measurements.record_step(16, True, emitted=22, seconds=0.08)
         steps = 0
-        while not engine._realized_allows_drafting(16):
+        while not engine.measurements.drafting_allowed(16, engine.explore_interval, engine.max_explore_interval,
+                                                       engine.explore_budget, True, catch_up):
             engine.measurements.record_step(16, False, emitted=16, seconds=0.044)
             steps += 1
-            assert steps <= 2000
+            assert steps <= 5000
         return steps
 
-    assert ENGINE_EXPLORE_BUDGET == pytest.approx(EXPLORE_BUDGET / 5) and ENGINE_MAX_EXPLORE_INTERVAL == 1024
+    assert ENGINE_EXPLORE_BUDGET == pytest.approx(EXPLORE_BUDGET / 5) and ENGINE_MAX_EXPLORE_INTERVAL == 4096
     engine_default = plain_steps_until_remeasured()
     single_sequence = plain_steps_until_remeasured(explore_budget=EXPLORE_BUDGET, max_explore_interval=256)
     # expected loss 2 x 0.08 s x (1 - 275/364): re-measured once the plain steps' seconds reach it / budget
@@ -590,6 +592,10 @@ def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
     assert abs(engine_default - loss / ENGINE_EXPLORE_BUDGET / 0.044) <= 2, engine_default
     assert abs(single_sequence - loss / EXPLORE_BUDGET / 0.044) <= 2, single_sequence
     assert engine_default > 4 * single_sequence
+    with_catch_up = plain_steps_until_remeasured(catch_up=0.1)
+    assert abs(with_catch_up - (loss + 0.1) / ENGINE_EXPLORE_BUDGET / 0.044) <= 2, with_catch_up
+    # the cap still bounds the wait where the budget alone would wait longer
+    assert plain_steps_until_remeasured(catch_up=1.0) == ENGINE_MAX_EXPLORE_INTERVAL
 
 
 def test_realized_gate_decisions():

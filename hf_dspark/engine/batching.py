@@ -81,10 +81,13 @@ ADMISSION_HOLD = 1.0
 # budget 0.005 and wait 256): the four runs that re-measured (2-5 drafting steps, 17-21 prefill forwards and 22-34
 # held slot-steps against 16 and 16) read 0.945, 0.936, 1.026 and 0.977 of their plain pairs, the four that did not
 # 1.010, 1.014, 0.958 and 1.025: about 3% of a 9 s run per re-measurement, some 7x the ~40 ms its two steps lose. So
-# the engine's budget is a fifth of ``EXPLORE_BUDGET``, and its wait may grow to 1024 steps (at 256 the cap, not the
-# budget, timed every re-measurement: 256 steps at 16 requests is two of those runs).
+# the engine's budget is a fifth of ``EXPLORE_BUDGET``, and its wait may grow to 4096 steps. At 256, and then at 1024,
+# the cap, not the budget, timed the re-measurements: the first step of one also projects the context of every row
+# that decoded plain since (16 rows x 100-300 positions, 0.07-0.15 s here), so the budget waits ~3000 steps at 16
+# requests. With 1024, 20 pairs at 16 requests (``reports/bench-serve-smollm2-bf16-epyc-s28-c16-64.json``) had 5
+# runs re-measuring after the learning run, reading 0.951-1.001 of plain.
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
-ENGINE_MAX_EXPLORE_INTERVAL = 1024
+ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
@@ -729,7 +732,7 @@ class DSparkEngine:
             misprices. The decision uses past steps' timings only, so
             it is lossless.
         explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (defaults 16 and
-            ``ENGINE_MAX_EXPLORE_INTERVAL``, 1024).
+            ``ENGINE_MAX_EXPLORE_INTERVAL``, 4096).
         explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
             steps at the measured shortfall, plus the context catch-up of the rows that would draft, at the measured
             seconds per pending position: ``EngineMeasurements.catch_up``) is at most this fraction of the plain
