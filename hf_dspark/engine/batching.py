@@ -84,8 +84,9 @@ ADMISSION_HOLD = 1.0
 # the engine's budget is a fifth of ``EXPLORE_BUDGET``, and its wait may grow to 4096 steps. At 256, and then at 1024,
 # the cap, not the budget, timed the re-measurements: the first step of one also projects the context of every row
 # that decoded plain since (16 rows x 100-300 positions, 0.07-0.15 s here), so the budget waits ~3000 steps at 16
-# requests. With 1024, 20 pairs at 16 requests (``reports/bench-serve-smollm2-bf16-epyc-s28-c16-64.json``) had 5
-# runs re-measuring after the learning run, reading 0.951-1.001 of plain.
+# requests. With 1024, 20 lockstep pairs at 16 requests (``reports/bench-serve-smollm2-bf16-epyc-s28-c16-64.json``) had
+# 5 runs re-measuring after the learning run, reading 0.951-1.001 of plain (all 20: 0.990 x/÷1.003); with 4096
+# (``-s28-c16-cap4096.json``) one, 0.999 (all 20: 0.993 x/÷1.003).
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
