@@ -265,12 +265,22 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
                  shift: int = 0) -> dict[str, tuple[dict, list[list[int]]]]:
     """``run_once`` for several methods side by side: one engine per method (``specs``: name -> engine keyword
     arguments), each given every prompt, and one ``step()`` at a time of the engine furthest behind (tokens
-    emitted, a finished request counting its whole ``max_new_tokens``; ties: ``lockstep_next``), until all are
-    done. Faster methods step less often, so every engine reaches its end at about the
+    emitted, a finished request counting its whole ``max_new_tokens``; ties go round in turn, starting ``shift``
+    methods in), until all are done. Faster methods step less often, so every engine reaches its end at about the
     same time and a drift of the shared machine lands on all of them alike, instead of on whichever ran in a slow
     minute or ran on alone. Each method's wall time is the sum of its own steps, and its requests' timestamps count
-    its own steps only (a ``StepClock`` per engine), as do the page faults in its summary. Returns ``{name: (summary,
-    each request's tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
+    its own steps only (a ``StepClock`` per engine), as do the page faults in its summary.
+
+    An engine's step runs just after another's, which leaves it caches and allocator in its own state. With plain,
+    fixed and scheduled, fixed's extra tokens a step shift the turns so that scheduled follows fixed's wide steps
+    11-13 times of 17 and plain 4-6 (at 64 requests, every rotation), and scheduled read 0.976 of plain over 8 pairs
+    (``reports/bench-serve-smollm2-bf16-epyc-s28-c64-three.json``) against 1.009 over 20 pairs without fixed
+    (``-s28-c16-64.json``). Ties balanced by who followed whom evened that (0.990 over 8 pairs, ``-s28-c64-three-
+    balanced.json``) but made the scheduled engine's own steps alternate between warm and cold predecessors, noise
+    its realized gate apparently read as drafting winning: at 16 requests two runs drafted 45-48 steps and read 0.86-0.89 of
+    plain (``-s28-balanced.json``). So the turns stay as they are; compare two methods for the scheduled engine's
+    own cost. Returns ``{name: (summary, each request's
+    tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
     from tqdm.auto import tqdm
 
     measured = measured or {}
@@ -283,14 +293,12 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     done = dict.fromkeys(names, 0)
     faults = dict.fromkeys(names, 0)
     bar = tqdm(total=len(names) * len(prompts), desc=f"lockstep c={concurrency}", unit="request", leave=False)
-    turn, previous, follows = 0, None, {}
+    turn = 0
     while True:
         active = [name for name in names if engines[name].has_unfinished()]
         if not active:
             break
-        name = lockstep_next(active, done, names, turn, previous, follows)
-        follows[previous, name] = follows.get((previous, name), 0) + 1
-        previous = name
+        name = min(active, key=lambda n: (done[n], (names.index(n) - turn) % len(names)))
         _sync(target)
         before = page_faults()
         with clocks[name]:
@@ -313,21 +321,6 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
         summary["page_faults"] = faults[name] if page_faults() is not None else None
         out[name] = (summary, [o.token_ids for o in outputs])
     return out
-
-
-def lockstep_next(active: list[str], done: dict[str, int], names: list[str], turn: int, previous: str | None,
-                  follows: dict[tuple, int]) -> str:
-    """The engine ``run_lockstep`` steps next: one furthest behind (``done``); among those, the one that has followed
-    ``previous`` (the engine that stepped last) least often so far (``follows``: (previous, name) -> steps), then in
-    turn, starting ``turn`` places into ``names``.
-
-    Each engine's step runs just after another's, whose memory traffic and allocations leave caches and the
-    allocator to it. Going round in turn alone, a method that emits more tokens a step (fixed-length drafting, wide
-    steps) shifts the pattern so that the same engine follows it most of the time: plain, fixed and scheduled at 64
-    requests, scheduled came right after fixed 11-13 times of 17 and plain 4-6, in every rotation, and read 0.973 and
-    0.976 of plain over 3 and 8 pairs (``reports/bench-serve-smollm2-bf16-epyc-s28.json``, ``-s28-c64-three.json``)
-    against 1.009 over 20 pairs without fixed (``-s28-c16-64.json``). Balancing who follows whom evens that out."""
-    return min(active, key=lambda n: (done[n], follows.get((previous, n), 0), (names.index(n) - turn) % len(names)))
 
 
 class StepClock:
@@ -731,6 +724,6 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 
 __all__ = ["StepClock", "add_measurement_arguments", "against_baseline", "against_baseline_by_request",
-           "bench_interleaved", "bench_serve", "encode_prompts", "load_measurement_setup", "lockstep_next",
-           "measurements_from_report",
-           "page_faults", "parse_method", "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
+           "bench_interleaved", "bench_serve", "drafting_steps", "encode_prompts", "fix_allocator",
+           "load_measurement_setup", "measurements_from_report", "page_faults", "parse_method",
+           "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
