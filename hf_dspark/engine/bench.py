@@ -45,8 +45,9 @@ def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = N
 
     Pinned, memory freed stays with the process, but each page is still first written (a page fault) by whichever
     engine first takes the process past its high-water mark, and engines stepped side by side hold their caches at
-    once. At 64 requests the scheduled engine also keeps its prompts' target features for the drafter (39 MB more
-    than plain for the 64 eval prompts), and in cold processes its first run faulted 75,000-127,000 pages while the
+    once. At 64 requests the scheduled engine also keeps its prompts' target features for the drafter (5 hidden states
+    of 576 bf16 values for each of the 6,575 padded prompt positions of the 64 eval prompts: 38 MB more than plain),
+    and in cold processes its first run faulted 75,000-127,000 pages while the
     plain one beside it faulted 4,000-220,000, depending on which went first and how much was pre-touched
     (``reports/logs/engine-overhead-c64-pretouch-s28.txt``). ``pretouch`` takes those faults out of the engines' runs
     (3 GiB: 7 pages faulted in the scheduled engine's first run, 860 in plain's). What they cost is below this
@@ -269,18 +270,18 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     methods in), until all are done. Faster methods step less often, so every engine reaches its end at about the
     same time and a drift of the shared machine lands on all of them alike, instead of on whichever ran in a slow
     minute or ran on alone. Each method's wall time is the sum of its own steps, and its requests' timestamps count
-    its own steps only (a ``StepClock`` per engine), as do the page faults in its summary.
+    its own steps only (a ``StepClock`` per engine), as do the page faults in its summary. Returns ``{name: (summary,
+    each request's tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``).
 
-    An engine's step runs just after another's, which leaves it caches and allocator in its own state. With plain,
+    An engine's step runs just after another's, and finds the caches and allocator as that one left them. With plain,
     fixed and scheduled, fixed's extra tokens a step shift the turns so that scheduled follows fixed's wide steps
     11-13 times of 17 and plain 4-6 (at 64 requests, every rotation), and scheduled read 0.976 of plain over 8 pairs
     (``reports/bench-serve-smollm2-bf16-epyc-s28-c64-three.json``) against 1.009 over 20 pairs without fixed
     (``-s28-c16-64.json``). Ties balanced by who followed whom evened that (0.990 over 8 pairs, ``-s28-c64-three-
     balanced.json``) but made the scheduled engine's own steps alternate between warm and cold predecessors, noise
-    its realized gate apparently read as drafting winning: at 16 requests two runs drafted 45-48 steps and read 0.86-0.89 of
-    plain (``-s28-balanced.json``). So the turns stay as they are; compare two methods for the scheduled engine's
-    own cost. Returns ``{name: (summary, each request's
-    tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``)."""
+    its realized gate apparently read as drafting winning: at 16 requests two runs drafted 45-48 steps and read
+    0.86-0.89 of plain (``-s28-balanced.json``). So the turns stay as they are; compare two methods for the
+    scheduled engine's own cost."""
     from tqdm.auto import tqdm
 
     measured = measured or {}
