@@ -383,7 +383,7 @@ def cmd_bench_serve(args) -> int:
 
     from .defaults import load_drafter_for
     from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, fix_allocator,
-                               measurements_from_report, parse_method, plot_bench)
+                               measurements_from_report, parse_method, plot_bench, pretouch_setting)
     from .prompts import load_prompts
 
     for method in args.methods:
@@ -398,10 +398,7 @@ def cmd_bench_serve(args) -> int:
     if args.interleave and args.cold_engines:
         raise ValueError("--interleave serves every prompt on one long-lived engine per method; --cold-engines "
                          "starts every run from nothing")
-    if args.dynamic_allocator and args.pretouch is not None:
-        raise ValueError("--pretouch goes with the pinned allocator; --dynamic-allocator leaves glibc as it is")
-    if args.pretouch is not None and args.pretouch < 0:
-        raise ValueError(f"--pretouch must be >= 0 MiB, got {args.pretouch}")
+    pretouch = pretouch_setting(args.dynamic_allocator, args.pretouch)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer, dtype = _setup_target(args)
     target = target.to(device)
@@ -420,8 +417,7 @@ def cmd_bench_serve(args) -> int:
     if args.measurements and args.cold_engines:
         raise ValueError("--measurements gives the scheduled engines a start; --cold-engines starts each from nothing")
     start = measurements_from_report(args.measurements, args.methods) if args.measurements else None
-    allocator = None if args.dynamic_allocator else fix_allocator(
-        pretouch=(3072 if args.pretouch is None else args.pretouch) << 20)
+    allocator = None if pretouch is None else fix_allocator(pretouch=pretouch)
     print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     prompts = encode_prompts(tokenizer, load_prompts(args.prompts), args.num_prompts, args.seed)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}, {device}); drafter: {origin}; "
@@ -663,6 +659,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None)
     demo.set_defaults(func=cmd_demo)
 
+    from .engine.bench import BENCH_PRETOUCH_MIB
+
     serve = sub.add_parser("bench-serve", help="batched serving: tokens/s and verification budget vs concurrency")
     serve.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files or folders")
     serve.add_argument("--num-prompts", type=int, default=64, help="prompts replayed (shuffled with --seed)")
@@ -703,8 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="leave glibc malloc's thresholds adjusting themselves (by default they are pinned: "
                             "engines run in one process otherwise read a few percent apart by which ran first)")
     serve.add_argument("--pretouch", type=int, default=None, metavar="MIB",
-                       help="with the thresholds pinned, pre-touch this much heap first (default 3072 MiB, room for "
-                            "three engines' caches at 64 requests; 0: none), so that the page faults of fresh memory "
+                       help=f"with the thresholds pinned, pre-touch this much heap first (default {BENCH_PRETOUCH_MIB} "
+                            "MiB, room for three engines' caches at 64 requests; 0: none), so that the page faults of "
+                            "fresh memory "
                             "do not land on whichever engine first needs it (each run's count is in the report)")
     serve.add_argument("--cold-engines", action="store_true",
                        help="start every scheduled run from no timings (a fresh server) instead of sharing one "

@@ -30,8 +30,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 from hf_dspark.engine import SamplingParams  # noqa: E402
-from hf_dspark.engine.bench import (add_measurement_arguments, drafting_steps, fix_allocator,  # noqa: E402
-                                   load_measurement_setup, run_lockstep, run_once)
+from hf_dspark.engine.bench import (BENCH_PRETOUCH_MIB, add_measurement_arguments, drafting_steps,  # noqa: E402
+                                   fix_allocator, load_measurement_setup, pretouch_setting, run_lockstep,
+                                   run_once)
 from hf_dspark.engine.measurements import EngineMeasurements  # noqa: E402
 from hf_dspark.profiling import BatchedStepsPerSecond, load_or_profile_batched  # noqa: E402
 from hf_dspark.scheduling import StepsPerSecond  # noqa: E402
@@ -55,11 +56,13 @@ def main() -> None:
                         help="the profiled SPS and a learned realized gate instead of a prohibitive profile")
     parser.add_argument("--dynamic-allocator", action="store_true",
                         help="leave glibc malloc's thresholds adjusting themselves (bench-serve's option)")
-    parser.add_argument("--pretouch", type=int, default=3072, metavar="MIB",
-                        help="heap pre-touched once the thresholds are pinned (bench-serve's option; 0: none)")
+    parser.add_argument("--pretouch", type=int, default=None, metavar="MIB",
+                        help=f"heap pre-touched once the thresholds are pinned (bench-serve's option; default "
+                             f"{BENCH_PRETOUCH_MIB} MiB, 0: none)")
     add_measurement_arguments(parser)
     args = parser.parse_args()
-    allocator = None if args.dynamic_allocator else fix_allocator(pretouch=args.pretouch << 20)
+    pretouch = pretouch_setting(args.dynamic_allocator, args.pretouch)
+    allocator = None if pretouch is None else fix_allocator(pretouch=pretouch)
     print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     target, _, drafter, prompts = load_measurement_setup(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

@@ -26,6 +26,8 @@ from .batching import SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
 
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+# Heap the benches pre-touch (``fix_allocator(pretouch=)``): room for three engines' caches at 64 requests
+BENCH_PRETOUCH_MIB = 3072
 
 
 def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = None, top_pad: int = 256 << 20,
@@ -47,8 +49,8 @@ def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = N
     engine first takes the process past its high-water mark, and engines stepped side by side hold their caches at
     once. At 64 requests the scheduled engine also keeps its prompts' target features for the drafter (5 hidden states
     of 576 bf16 values for each of the 6,575 padded prompt positions of the 64 eval prompts: 38 MB more than plain),
-    and in cold processes its first run faulted 75,000-127,000 pages while the
-    plain one beside it faulted 4,000-220,000, depending on which went first and how much was pre-touched
+    and in cold processes its first run faulted 75,000-127,000 pages while the plain one beside it faulted
+    4,000-220,000, depending on which went first and how much was pre-touched
     (``reports/logs/engine-overhead-c64-pretouch-s28.txt``). ``pretouch`` takes those faults out of the engines' runs
     (3 GiB: 7 pages faulted in the scheduled engine's first run, 860 in plain's). What they cost is below this
     machine's noise in those runs (the pair's ratio moved 0.91-1.08 either way), so this removes a confounder, not a
@@ -182,6 +184,18 @@ def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out.append((record["id"], inputs["input_ids"][0].tolist()))
     return out
+
+
+def pretouch_setting(dynamic_allocator: bool, pretouch_mib: int | None) -> int | None:
+    """Bytes of heap to pre-touch for the benches' ``--dynamic-allocator`` / ``--pretouch MIB`` options (None: the
+    allocator is left as the C library sets it). ``--pretouch`` goes with the pinned allocator and is >= 0."""
+    if dynamic_allocator and pretouch_mib is not None:
+        raise ValueError("--pretouch goes with the pinned allocator; --dynamic-allocator leaves glibc as it is")
+    if pretouch_mib is not None and pretouch_mib < 0:
+        raise ValueError(f"--pretouch must be >= 0 MiB, got {pretouch_mib}")
+    if dynamic_allocator:
+        return None
+    return (BENCH_PRETOUCH_MIB if pretouch_mib is None else pretouch_mib) << 20
 
 
 def add_measurement_arguments(parser, *, num_prompts: int = 64, max_new_tokens: int = 32,
@@ -724,7 +738,7 @@ def plot_bench(report: dict, path: str | Path) -> Path:
     return path
 
 
-__all__ = ["StepClock", "add_measurement_arguments", "against_baseline", "against_baseline_by_request",
-           "bench_interleaved", "bench_serve", "drafting_steps", "encode_prompts", "fix_allocator",
-           "load_measurement_setup", "measurements_from_report", "page_faults", "parse_method",
-           "plot_bench", "run_lockstep", "run_once", "serve", "serve_request"]
+__all__ = ["BENCH_PRETOUCH_MIB", "StepClock", "add_measurement_arguments", "against_baseline",
+           "against_baseline_by_request", "bench_interleaved", "bench_serve", "drafting_steps", "encode_prompts",
+           "fix_allocator", "load_measurement_setup", "measurements_from_report", "page_faults", "parse_method",
+           "plot_bench", "pretouch_setting", "run_lockstep", "run_once", "serve", "serve_request"]
