@@ -382,12 +382,13 @@ def cmd_bench_serve(args) -> int:
     from pathlib import Path
 
     from .defaults import load_drafter_for
-    from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, fix_allocator,
+    from .engine.bench import (bench_interleaved, bench_serve, encode_prompts, fix_allocator, lockstep_pairs,
                                measurements_from_report, parse_method, plot_bench, pretouch_setting)
     from .prompts import load_prompts
 
-    for method in args.methods:
-        parse_method(method, args.schedule)  # fail fast on a typo, before loading anything
+    specs = {method: parse_method(method, args.schedule) for method in args.methods}  # fail fast on a typo
+    if args.lockstep == "pairs":
+        lockstep_pairs(specs)  # and on a method nothing would be compared with, before loading anything
     if args.concurrency is None:
         args.concurrency = [1] if args.interleave else [1, 4, 16, 64]
     if args.interleave and args.concurrency != [1]:
@@ -429,7 +430,7 @@ def cmd_bench_serve(args) -> int:
         report = bench_interleaved(target, drafter, [ids for _, ids in prompts], args.methods, **common)
     else:
         report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
-                             share_measurements=not args.cold_engines, lockstep=args.lockstep, **common)
+                             share_measurements=not args.cold_engines, lockstep=args.lockstep or False, **common)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin, "allocator": allocator,
                             "prompt_ids": [i for i, _ in prompts]}, **report}
@@ -681,9 +682,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --concurrency 1: serve each prompt with every method back to back (one long-lived "
                             "engine per method, the first method rotating) and compare them request by request, so "
                             "the machine's drift cancels in each pair; --repeats passes over the prompts")
-    serve.add_argument("--lockstep", action="store_true",
+    serve.add_argument("--lockstep", nargs="?", const="all", choices=["all", "pairs"], default=None,
                        help="run each repeat's methods side by side, stepping whichever engine is furthest behind, "
-                            "each method timed on its own steps: the machine's drift lands on every method alike")
+                            "each method timed on its own steps: the machine's drift lands on every method alike; "
+                            "'--lockstep pairs': each comparison (a method and plain, scheduled and fixed) in its own "
+                            "two-engine lockstep, so no engine steps after a third one's steps")
     serve.add_argument("--schedule", choices=["padded", "prefix", "topk"], default="padded",
                        help="budget sharing for 'scheduled': Algorithm 1 by width layers (costed as the padded batch), "
                             "Algorithm 1 over single entries, or dynamic top-K")

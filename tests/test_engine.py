@@ -1495,6 +1495,47 @@ def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_tar
     assert [method for method, _ in calls] == [p, f, f, p, f, p, p, f]
 
 
+def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_lockstep(tiny_targets, trained_drafters,
+                                                                                       monkeypatch):
+    from hf_dspark.engine import bench
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = in_distribution_prompts(target, 4)
+    locksteps, original = [], bench.run_lockstep
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        locksteps.append({name: summary["tokens_per_s"] for name, (summary, _) in out.items()})
+        return out
+
+    monkeypatch.setattr(bench, "run_lockstep", recording)
+    methods = ["plain", "fixed", "scheduled"]
+    assert bench.lockstep_pairs({m: bench.parse_method(m) for m in methods}) == [
+        ("plain", "fixed"), ("plain", "scheduled"), ("fixed", "scheduled")]
+    report = bench.bench_serve(target, drafter, prompts, methods, [2], max_new_tokens=6, sps=DECREASING_SPS,
+                               repeats=2, warmup=False, lockstep="pairs", log=lambda line: None)
+    # two engines a lockstep, every comparison once a repeat, the first pair rotating with the repeat
+    assert [sorted(run) for run in locksteps] == [sorted(p) for p in (
+        ("plain", "fixed"), ("plain", "scheduled"), ("fixed", "scheduled"),
+        ("plain", "scheduled"), ("fixed", "scheduled"), ("plain", "fixed"))]
+
+    def beside(name, partner):  # name's tokens/s in the locksteps it shared with partner, in order
+        return [run[name] for run in locksteps if set(run) == {name, partner}]
+
+    rows = {m: report["results"][m]["2"] for m in methods}
+    assert [rows[m]["lockstep_partner"] for m in methods] == ["fixed", "plain", "plain"]
+    assert all(rows[m]["lockstep"] == "pairs" and rows[m]["identical_to_plain"] == "4/4" for m in methods)
+    assert rows["plain"]["runs_tokens_per_s"] == beside("plain", "fixed")
+    assert rows["scheduled"]["runs_tokens_per_s"] == beside("scheduled", "plain")
+    for name, other in (("fixed", "plain"), ("scheduled", "plain"), ("scheduled", "fixed")):
+        assert rows[name][f"vs_{other}"]["paired"] == pytest.approx(
+            [a / b for a, b in zip(beside(name, other), beside(other, name))])
+    with pytest.raises(ValueError, match=r"\[.fixed., .fixed=2.\] would be compared with nothing"):
+        bench.lockstep_pairs({m: bench.parse_method(m) for m in ("fixed", "fixed=2")})
+    with pytest.raises(ValueError, match="lockstep must be"):
+        bench.bench_serve(target, drafter, prompts, methods, [2], max_new_tokens=6, sps=DECREASING_SPS,
+                          warmup=False, lockstep="triples", log=lambda line: None)
+
 def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
     from hf_dspark.cli import main
 
@@ -1506,6 +1547,8 @@ def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
     assert "long-lived engine" in err and "--cold-engines" in err
     assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--lockstep"]) == 1
     assert "choose one" in capsys.readouterr().err
+    assert main(["bench-serve", "--prompts", "nowhere", "--lockstep", "pairs", "--methods", "fixed", "fixed=2"]) == 1
+    assert "would be compared with nothing" in capsys.readouterr().err
     assert main(["bench-serve", "--prompts", "nowhere", "--dynamic-allocator", "--pretouch", "64"]) == 1
     assert "--pretouch goes with the pinned allocator" in capsys.readouterr().err
     assert main(["bench-serve", "--prompts", "nowhere", "--pretouch", "-1"]) == 1

@@ -477,6 +477,18 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     return specs, params, sps, measured
 
 
+def lockstep_pairs(specs: dict[str, dict]) -> list[tuple[str, str]]:
+    """The two-engine locksteps of ``bench_serve(lockstep="pairs")``: ``(baseline, method)`` for each method and each
+    of its baselines (``_baselines``: plain, and each fixed-length method for a scheduled one), in the methods'
+    order. Every method must take part in one: a method nothing is compared with would have no runs."""
+    pairs = [(other, name) for name in specs for other in _baselines(specs, name)]
+    alone = [name for name in specs if not any(name in pair for pair in pairs)]
+    if alone:
+        raise ValueError(f"lockstep pairs compare each method with plain (and scheduled ones with fixed ones); "
+                         f"{alone} would be compared with nothing")
+    return pairs
+
+
 def _plain(specs: dict[str, dict]) -> str | None:
     """The first plain method of a bench (every other is compared with it), or None."""
     return next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
@@ -494,7 +506,7 @@ def _baselines(specs: dict[str, dict], name: str) -> list[str]:
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
                 max_new_tokens: int = 256, temperature: float = 0.0, top_p: float | None = None,
                 schedule: str = "padded", sps=None, seed: int = 0, warmup: bool = True, repeats: int = 1,
-                share_measurements: bool = True, measurements: dict | None = None, lockstep: bool = False,
+                share_measurements: bool = True, measurements: dict | None = None, lockstep: bool | str = False,
                 log=print) -> dict:
     """Run every method at every concurrency; returns ``{"results": {method: {concurrency: summary}}, ...}``.
 
@@ -521,17 +533,43 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     ``lockstep``: each repeat runs its methods side by side instead of one after the other (``run_lockstep``: one
     step at a time of the engine furthest behind, each method timed on its own steps, all reaching their ends
     together), so the paired ratios of a repeat are not moved by the machine slowing down during one method's run.
+    ``lockstep="pairs"``: each repeat runs every comparison as its own two-engine lockstep instead (``lockstep_pairs``:
+    each method with each of its baselines), so no engine steps after a third method's steps: with plain, fixed and
+    scheduled side by side the scheduled engine follows fixed's wide steps two to three times as often as plain does
+    (``run_lockstep``). A method's listed runs are those with its first partner (plain for the others, and plain's
+    with the first method compared with it), each ``vs_<other>`` pairs its runs with ``other``'s from the same
+    locksteps, and ``lockstep_partners`` names, per method, whom its listed runs stepped beside.
     """
+    if lockstep not in (False, True, "all", "pairs"):
+        raise ValueError(f"lockstep must be False, True (or 'all') or 'pairs', got {lockstep!r}")
     specs, params, sps, measured = _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens,
                                             temperature, top_p, schedule, sps, seed, warmup, repeats,
                                             share_measurements, measurements, log)
+    pairs = lockstep_pairs(specs) if lockstep == "pairs" else None
     greedy = not params.do_sample
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
+
+    def logged(concurrency: int, name: str, summary: dict) -> None:
+        log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
+            f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
+            f"{summary['mean_verify_tokens_per_step']:6.1f} drafts/step  tau {summary['accepted_length']:.2f}")
+
     for concurrency in concurrencies:
         reference = None
         runs: dict[str, list] = {name: [] for name in specs}
+        beside: dict[tuple[str, str], list] = {}  # (method, partner) -> its runs in two-engine locksteps
         names = list(specs)
         for repeat in range(repeats):
+            if pairs is not None:
+                # each comparison in its own lockstep, the first pair rotating with the repeat
+                for first, second in pairs[repeat % len(pairs):] + pairs[: repeat % len(pairs)]:
+                    together = run_lockstep(target, drafter, prompts, params, concurrency,
+                                            {first: specs[first], second: specs[second]}, sps, seed, measured,
+                                            shift=repeat)
+                    for name, partner in ((first, second), (second, first)):
+                        beside.setdefault((name, partner), []).append(together[name])
+                        logged(concurrency, f"{name} (beside {partner})", together[name][0])
+                continue
             # Each repeat starts one method later, so no method always runs right after the same other one (a run
             # after fixed-length verification's wide steps may find the memory allocator or caches in another state).
             order = names[repeat % len(names):] + names[: repeat % len(names)]
@@ -541,14 +579,20 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                 summary, tokens = together[name] if lockstep else run_once(
                     target, drafter, prompts, params, concurrency, specs[name], sps, seed, measured.get(name))
                 runs[name].append((summary, tokens))
-                log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
-                    f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
-                    f"{summary['mean_verify_tokens_per_step']:6.1f} drafts/step  tau {summary['accepted_length']:.2f}")
+                logged(concurrency, name, summary)
+        partners = {}
+        if pairs is not None:
+            for name in specs:
+                partners[name] = next(b if a == name else a for a, b in pairs if name in (a, b))
+                runs[name] = beside[(name, partners[name])]
         for name, spec in specs.items():
             summary, tokens = max(runs[name], key=lambda run: run[0]["tokens_per_s"])
             summary["runs_tokens_per_s"] = [run[0]["tokens_per_s"] for run in runs[name]]
             summary["runs_counts"] = [_counts(run[0]) for run in runs[name]]
             summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
+            if pairs is not None:
+                summary["lockstep"] = "pairs"
+                summary["lockstep_partner"] = partners[name]
             if greedy and spec["method"] == "plain":
                 reference = tokens
             results[name][str(concurrency)] = summary
@@ -556,8 +600,12 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
         for name in methods:
             row = results[name][str(concurrency)]
             for other in _baselines(specs, name):
-                ratios = against_baseline(row["runs_tokens_per_s"],
-                                          results[other][str(concurrency)]["runs_tokens_per_s"])
+                if pairs is None:
+                    ratios = against_baseline(row["runs_tokens_per_s"],
+                                              results[other][str(concurrency)]["runs_tokens_per_s"])
+                else:  # the two sides of the same locksteps
+                    ratios = against_baseline([run[0]["tokens_per_s"] for run in beside[(name, other)]],
+                                              [run[0]["tokens_per_s"] for run in beside[(other, name)]])
                 row[f"vs_{other}"] = ratios
                 log(f"c={concurrency:<4d} {name:20s} vs {other}: {_format_ratios(ratios)}")
             tokens = results[name][str(concurrency)].pop("_tokens")
@@ -740,5 +788,5 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 
 __all__ = ["BENCH_PRETOUCH_MIB", "StepClock", "add_measurement_arguments", "against_baseline",
            "against_baseline_by_request", "bench_interleaved", "bench_serve", "drafting_steps", "encode_prompts",
-           "fix_allocator", "load_measurement_setup", "measurements_from_report", "page_faults", "parse_method",
-           "plot_bench", "pretouch_setting", "run_lockstep", "run_once", "serve", "serve_request"]
+           "fix_allocator", "load_measurement_setup", "lockstep_pairs", "measurements_from_report", "page_faults",
+           "parse_method", "plot_bench", "pretouch_setting", "run_lockstep", "run_once", "serve", "serve_request"]
