@@ -1527,6 +1527,9 @@ def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_l
     assert all(rows[m]["lockstep"] == "pairs" and rows[m]["identical_to_plain"] == "4/4" for m in methods)
     assert rows["plain"]["runs_tokens_per_s"] == beside("plain", "fixed")
     assert rows["scheduled"]["runs_tokens_per_s"] == beside("scheduled", "plain")
+    assert {p: runs["runs_tokens_per_s"] for p, runs in rows["scheduled"]["runs_beside"].items()} == {
+        "plain": beside("scheduled", "plain"), "fixed": beside("scheduled", "fixed")}
+    assert [len(runs["runs_counts"]) for runs in rows["plain"]["runs_beside"].values()] == [2, 2]
     for name, other in (("fixed", "plain"), ("scheduled", "plain"), ("scheduled", "fixed")):
         assert rows[name][f"vs_{other}"]["paired"] == pytest.approx(
             [a / b for a, b in zip(beside(name, other), beside(other, name))])

@@ -295,7 +295,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     balanced.json``) but made the scheduled engine's own steps alternate between warm and cold predecessors, noise
     its realized gate apparently read as drafting winning: at 16 requests two runs drafted 45-48 steps and read
     0.86-0.89 of plain (``-s28-balanced.json``). So the turns stay as they are; compare two methods for the
-    scheduled engine's own cost."""
+    scheduled engine's own cost (``bench_serve(lockstep="pairs")`` runs every comparison that way)."""
     from tqdm.auto import tqdm
 
     measured = measured or {}
@@ -538,7 +538,8 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
     scheduled side by side the scheduled engine follows fixed's wide steps two to three times as often as plain does
     (``run_lockstep``). A method's listed runs are those with its first partner (plain for the others, and plain's
     with the first method compared with it), each ``vs_<other>`` pairs its runs with ``other``'s from the same
-    locksteps, and ``lockstep_partners`` names, per method, whom its listed runs stepped beside.
+    locksteps; each row's ``lockstep_partner`` names whom its listed runs stepped beside, and ``runs_beside`` holds
+    its runs' tokens/s and counts by partner.
     """
     if lockstep not in (False, True, "all", "pairs"):
         raise ValueError(f"lockstep must be False, True (or 'all') or 'pairs', got {lockstep!r}")
@@ -593,6 +594,9 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
             if pairs is not None:
                 summary["lockstep"] = "pairs"
                 summary["lockstep_partner"] = partners[name]
+                summary["runs_beside"] = {partner: {"runs_tokens_per_s": [run[0]["tokens_per_s"] for run in mine],
+                                                    "runs_counts": [_counts(run[0]) for run in mine]}
+                                          for (member, partner), mine in beside.items() if member == name}
             if greedy and spec["method"] == "plain":
                 reference = tokens
             results[name][str(concurrency)] = summary
