@@ -706,8 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--pretouch", type=int, default=None, metavar="MIB",
                        help=f"with the thresholds pinned, pre-touch this much heap first (default {BENCH_PRETOUCH_MIB} "
                             "MiB, room for three engines' caches at 64 requests; 0: none), so that the page faults of "
-                            "fresh memory "
-                            "do not land on whichever engine first needs it (each run's count is in the report)")
+                            "fresh memory do not land on whichever engine first needs it (each run's count is in the "
+                            "report)")
     serve.add_argument("--cold-engines", action="store_true",
                        help="start every scheduled run from no timings (a fresh server) instead of sharing one "
                             "method's measurements across its warm-up and runs (a long-lived server)")

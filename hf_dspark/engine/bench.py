@@ -306,7 +306,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
                              clock=clocks[name]) for name in names}
     ids = {name: [engine.add_request(p, params) for p in prompts] for name, engine in engines.items()}
     done = dict.fromkeys(names, 0)
-    faults = dict.fromkeys(names, 0)
+    faults = dict.fromkeys(names, 0) if page_faults() is not None else None
     bar = tqdm(total=len(names) * len(prompts), desc=f"lockstep c={concurrency}", unit="request", leave=False)
     turn = 0
     while True:
@@ -319,7 +319,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
         with clocks[name]:
             events = engines[name].step()
             _sync(target)
-        if before is not None:
+        if faults is not None:
             faults[name] += page_faults() - before
         for event in events:
             done[name] += len(event.token_ids)
@@ -333,7 +333,7 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
         outputs = [engines[name].outputs[i] for i in ids[name]]
         summary = _summary(outputs, clocks[name](), concurrency, engines[name])
         summary["lockstep"] = True
-        summary["page_faults"] = faults[name] if page_faults() is not None else None
+        summary["page_faults"] = None if faults is None else faults[name]
         out[name] = (summary, [o.token_ids for o in outputs])
     return out
 
@@ -601,15 +601,13 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                 reference = tokens
             results[name][str(concurrency)] = summary
             results[name][str(concurrency)]["_tokens"] = tokens
+        def rates(name: str, other: str) -> list[float]:  # name's runs to pair with other's (pairs: beside it)
+            return [run[0]["tokens_per_s"] for run in (runs[name] if pairs is None else beside[(name, other)])]
+
         for name in methods:
             row = results[name][str(concurrency)]
             for other in _baselines(specs, name):
-                if pairs is None:
-                    ratios = against_baseline(row["runs_tokens_per_s"],
-                                              results[other][str(concurrency)]["runs_tokens_per_s"])
-                else:  # the two sides of the same locksteps
-                    ratios = against_baseline([run[0]["tokens_per_s"] for run in beside[(name, other)]],
-                                              [run[0]["tokens_per_s"] for run in beside[(other, name)]])
+                ratios = against_baseline(rates(name, other), rates(other, name))
                 row[f"vs_{other}"] = ratios
                 log(f"c={concurrency:<4d} {name:20s} vs {other}: {_format_ratios(ratios)}")
             tokens = results[name][str(concurrency)].pop("_tokens")
