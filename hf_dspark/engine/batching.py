@@ -92,7 +92,7 @@ ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
-GATE_TOKENS = ("horizon", "emitted")  # what the realized gate counts as a step's output (``DSparkEngine(gate_tokens=)``)
+GATE_TOKENS = ("horizon", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
 # to its own median. Each width's timings come from other stretches of the run: at 16 requests the width-2 steps
@@ -404,33 +404,15 @@ class RaggedBatchCache(_ColumnAligned):
         self.valid = torch.cat([self.valid, kept], dim=1)
         self.check_aligned()
 
-    def column_positions(self) -> torch.Tensor:
-        """The position each column holds [R, W] (-1 for holes): the valid columns of a row count 0, 1, ..."""
-        return torch.where(self.valid, self.valid.long().cumsum(dim=1) - 1, -1)
-
-    def discard_appended(self) -> None:
-        """Drop the columns a forward appended past ``valid`` (a read-only forward over the cached positions: the
-        cache is as it was; the in-place layers keep their buffers, the next append writes over those columns)."""
-        for layer in self.target_cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, : self.width], layer.values[:, :, : self.width]
-        self.check_aligned()
-
 
 class PendingFeatures(NamedTuple):
-    """Target features a row verified and has not projected yet: ``count`` positions from column ``start`` of row
-    ``row`` of a step's ``taps`` (hidden states [R, Q, D] each) at ``positions`` [R, Q], shared with the step's other
-    rows. With no ``taps`` (an empty tuple) the step did not capture them (``DSparkEngine(lazy_features=True)``):
-    a gap, to be recomputed from the target (``DeferredDrafterContext.fill_gaps``) before it can be projected."""
+    """Target features a row verified and has not projected yet: the first ``count`` positions of row ``row`` of a
+    step's ``taps`` (hidden states [R, Q, D] each) at ``positions`` [R, Q], shared with the step's other rows."""
 
     taps: tuple[torch.Tensor, ...]
     positions: torch.Tensor
     row: int
     count: int
-    start: int = 0
-
-    @property
-    def position_ids(self) -> torch.Tensor:
-        return self.positions[self.row, self.start: self.start + self.count]
 
 
 class DeferredDrafterContext(_ColumnAligned):
@@ -455,10 +437,8 @@ class DeferredDrafterContext(_ColumnAligned):
         self.pending = pending if pending is not None else [[] for _ in range(num_rows)]
         if len(self.pending) != num_rows:
             raise ValueError(f"{len(self.pending)} pending lists for {num_rows} rows")
-        # pending positions per row, kept as rows come and go (the realized gate prices a catch-up every step), and
-        # of those the uncaptured ones (gaps)
+        # pending positions per row, kept as rows come and go (the realized gate prices a catch-up every step)
         self.pending_counts = [sum(entry.count for entry in row) for row in self.pending]
-        self.missing_counts = [sum(entry.count for entry in row if not entry.taps) for row in self.pending]
 
     def _tensors(self) -> list[torch.Tensor]:
         return self.cache.keys + self.cache.values
@@ -472,13 +452,11 @@ class DeferredDrafterContext(_ColumnAligned):
         rows = rows.tolist()
         self.pending = [self.pending[i] for i in rows]
         self.pending_counts = [self.pending_counts[i] for i in rows]
-        self.missing_counts = [self.missing_counts[i] for i in rows]
 
     def append_rows(self, others: Sequence["DeferredDrafterContext"]) -> None:
         super().append_rows(others)
         self.pending = [p for part in (self, *others) for p in part.pending]
         self.pending_counts = [n for part in (self, *others) for n in part.pending_counts]
-        self.missing_counts = [n for part in (self, *others) for n in part.missing_counts]
 
     def defer(self, features: torch.Tensor | Sequence[torch.Tensor], positions: torch.Tensor,
               counts: Sequence[int]) -> None:
@@ -492,55 +470,12 @@ class DeferredDrafterContext(_ColumnAligned):
                 self.pending[r].append(PendingFeatures(taps, positions, r, int(n)))
                 self.pending_counts[r] += int(n)
 
-    def defer_gaps(self, positions: torch.Tensor, counts: Sequence[int]) -> None:
-        """Queue the first ``counts[r]`` positions of row r of ``positions`` [R, Q] as gaps: verified by a target
-        forward that did not capture the features the drafter reads."""
-        for r, n in enumerate(counts):
-            if n:
-                self.pending[r].append(PendingFeatures((), positions, r, int(n)))
-                self.pending_counts[r] += int(n)
-                self.missing_counts[r] += int(n)
-
     def num_pending(self, row: int) -> int:
         return self.pending_counts[row]
 
     def pending_positions(self, rows: Sequence[int]) -> int:
         """Pending positions over ``rows``: what projecting them (``flush``) has to go through."""
         return sum(self.pending_counts[r] for r in rows)
-
-    def missing_positions(self, rows: Sequence[int]) -> int:
-        """Pending positions of ``rows`` whose features were not captured: what ``fill_gaps`` recomputes."""
-        return sum(self.missing_counts[r] for r in rows)
-
-    def pending_features(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``row``'s pending features [n, taps * D] (the taps concatenated) and their positions [n], in order."""
-        if self.missing_counts[row]:
-            raise RuntimeError(f"row {row} has uncaptured target features: recompute them (fill_gaps) first")
-        features = [torch.cat([t[e.row, e.start: e.start + e.count] for t in e.taps], dim=-1)
-                    for e in self.pending[row]]
-        return torch.cat(features), torch.cat([e.position_ids for e in self.pending[row]])
-
-    def gap_positions(self, row: int) -> torch.Tensor:
-        """The positions of row ``row``'s gaps, in order [n] (empty when it has none)."""
-        gaps = [entry.position_ids for entry in self.pending[row] if not entry.taps]
-        return torch.cat(gaps) if gaps else torch.zeros(0, dtype=torch.long, device=self.valid.device)
-
-    def fill_gaps(self, row: int, taps: Sequence[torch.Tensor], positions: torch.Tensor, source: int) -> None:
-        """Fill row ``row``'s gaps with recomputed features: row ``source`` of ``taps`` (hidden states [S, Q, D]
-        each) holds them, at ``positions`` [S, Q], in the order of ``gap_positions(row)``."""
-        taps, offset, filled = tuple(taps), 0, []
-        for entry in self.pending[row]:
-            if entry.taps:
-                filled.append(entry)
-                continue
-            if not torch.equal(positions[source, offset: offset + entry.count], entry.position_ids):
-                raise ValueError(f"row {row}: recomputed features at the wrong positions")
-            filled.append(PendingFeatures(taps, positions, source, entry.count, offset))
-            offset += entry.count
-        if offset != self.missing_counts[row]:
-            raise ValueError(f"row {row}: {offset} gap positions filled, {self.missing_counts[row]} missing")
-        self.pending[row] = filled
-        self.missing_counts[row] = 0
 
     def flush(self, drafter, rows: Sequence[int]) -> None:
         """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
@@ -549,7 +484,9 @@ class DeferredDrafterContext(_ColumnAligned):
         if not todo:
             return
         device = self.valid.device
-        features, positions = zip(*(self.pending_features(r) for r in todo))
+        features = [torch.cat([torch.cat([t[e.row, : e.count] for t in e.taps], dim=-1) for e in self.pending[r]])
+                    for r in todo]
+        positions = [torch.cat([e.positions[e.row, : e.count] for e in self.pending[r]]) for r in todo]
         counts = torch.tensor([f.shape[0] for f in features], device=device)
         features = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
         positions = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)
@@ -659,12 +596,6 @@ class EngineStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    # ``lazy_features``: steps verified without capturing the drafter's target features, and the forwards that later
-    # recomputed them for requests drafting again (their positions and seconds, counted in their steps' ``seconds``)
-    uncaptured_steps: int = 0
-    recaptures: int = 0
-    recaptured_positions: int = 0
-    recapture_s: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -685,8 +616,6 @@ class EngineStats:
             "compactions": self.compactions, "skips": dict(sorted(self.skips.items())),
             "prefill_calls": self.prefill_calls, "held_slot_steps": self.held_slot_steps,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "verify_s": self.verify_s,
-            "uncaptured_steps": self.uncaptured_steps, "recaptures": self.recaptures,
-            "recaptured_positions": self.recaptured_positions, "recapture_s": self.recapture_s,
             "survival_correction": list(self.survival_correction),
             "by_active_requests": self.by_active_requests(),
         }
@@ -853,16 +782,6 @@ class DSparkEngine:
             16 requests in step, drafts accepted by some rows and not by the slowest only make the others wait.
             Where rows are out of step the furthest one is any of them, and on average it counts what the step
             emitted. A plain step counts its rows either way. ``"emitted"``: the tokens the step emitted.
-        lazy_features: under the scheduler, a step in which drafting is ruled out for the whole batch at its size
-            (the realized gate measured it losing there, or not even certain drafts would be verified; not a step
-            that measures the plain side where drafting wins) verifies without capturing the target
-            hidden states the drafter reads: the same forward as plain decoding's. The positions it verifies become
-            gaps in their requests' drafter context, recomputed from the target's cache in one forward over every
-            gap (``stats.recaptures``) when such a request next drafts; the realized gate prices that forward
-            (``EngineMeasurements.recapture``) into a re-measurement. Default False (every step captures): on
-            SmolLM2 at 16 requests a recapture forward took 0.15-0.35 s where projecting captured features took
-            0.02-0.06 s, so each return to drafting costs several plain steps, against about 0.3% of a plain step
-            saved while drafting is off (``reports/bench-serve-smollm2-bf16-epyc-s30-lazy-c16-learned.json``).
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
         clock: the time source of each request's timestamps (arrival, start, first token, finish: its
             ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
@@ -877,8 +796,7 @@ class DSparkEngine:
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, gate_tokens: str = "horizon",
-                 lazy_features: bool = False, seed: int = 0,
+                 measurements: EngineMeasurements | None = None, gate_tokens: str = "horizon", seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -912,8 +830,6 @@ class DSparkEngine:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         if gate_tokens not in GATE_TOKENS:
             raise ValueError(f"unknown gate_tokens {gate_tokens!r}; expected one of {GATE_TOKENS}")
-        if not isinstance(lazy_features, bool):
-            raise ValueError(f"lazy_features must be True or False, got {lazy_features!r}")
         self.target = target
         self.device = next(target.parameters()).device
         self.method = method
@@ -951,8 +867,6 @@ class DSparkEngine:
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self._gate_ruled_out = False  # this step's drafting was ruled out by the realized gate alone
-        self._ruled_out = False  # drafting is off at this batch size for long: it lost there, or cannot pay at all
-        self.lazy_features = lazy_features and method == "scheduled"
         self.gate_tokens = gate_tokens
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
@@ -1050,17 +964,7 @@ class DSparkEngine:
         capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
         drafting = self._drafting_rows(caps, capacity, representative)
         drafts = None
-        recapture_s = 0.0
         if drafting:
-            missing = self._context.missing_positions(drafting)
-            if missing:  # features the target did not capture while drafting was ruled out: recompute them first
-                started = time.perf_counter()
-                self._recapture(drafting)
-                recapture_s = time.perf_counter() - started
-                self.measurements.record_recapture(missing, recapture_s)
-                self.stats.recaptures += 1
-                self.stats.recaptured_positions += missing
-                self.stats.recapture_s += recapture_s
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
             pending = self._context.pending_positions(drafting)
@@ -1081,10 +985,8 @@ class DSparkEngine:
         # row r's valid columns are its verified positions 0..length-1 (RaggedBatchCache's invariant)
         self.stats.cache_holes.append(len(rows) * self._cache.width - sum(r.length for r in rows))
         t1 = time.perf_counter()
-        capture = self.drafter is not None and not (self.lazy_features and self._ruled_out)
-        accepted, next_tokens = self._verify(lengths, drafts, capture)
+        accepted, next_tokens = self._verify(lengths, drafts)
         t2 = time.perf_counter()
-        self.stats.uncaptured_steps += self.drafter is not None and not capture
         if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
@@ -1151,9 +1053,8 @@ class DSparkEngine:
         seconds = time.perf_counter() - t0
         self.stats.seconds.append(seconds)
         if self.realized_gate and representative:  # what the whole step delivered (a first step is not typical)
-            # less a recapture: the gate priced it into the decision to draft (``_catch_up``), as a one-off
             output = emitted if self.gate_tokens == "emitted" else len(rows) * (max(remaining) - left_after)
-            self.measurements.record_step(len(rows), bool(drafting), output, seconds - recapture_s)
+            self.measurements.record_step(len(rows), bool(drafting), output, seconds)
         if checked and drafting and self._prediction is not None:
             self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
         elif plain_seconds is not None:
@@ -1172,12 +1073,10 @@ class DSparkEngine:
 
     def _catch_up(self, rows: Sequence[int]) -> float:
         """Expected seconds of projecting the pending target features of ``rows`` into the drafter's context (what a
-        drafting step pays first after they decoded plain), and of recomputing those not captured (``lazy_features``),
-        at the engine's measured prices per position."""
+        drafting step pays first after they decoded plain), at the engine's measured price per position."""
         if self._context is None or not rows:
             return 0.0
-        return (self.measurements.catch_up_seconds(self._context.pending_positions(rows))
-                + self.measurements.recapture_seconds(self._context.missing_positions(rows)))
+        return self.measurements.catch_up_seconds(self._context.pending_positions(rows))
 
     def _representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
@@ -1434,7 +1333,7 @@ class DSparkEngine:
         information from this step's drafts, so it cannot bias the output. ``representative``: this step's
         ``_representative()`` (``step`` computes it once for the gate and its own records; here when not given)."""
         self._prediction = None
-        self._gate_ruled_out = self._ruled_out = False
+        self._gate_ruled_out = False
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
@@ -1442,21 +1341,17 @@ class DSparkEngine:
             return candidates
         if representative is None:
             representative = self._representative()
-        allowed, action = self.measurements.drafting_verdict(
-            len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative,
-            self._catch_up(candidates)) if self.realized_gate else (True, None)
-        if not allowed:
+        if self.realized_gate and not self.measurements.drafting_verdict(
+                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative,
+                self._catch_up(candidates))[0]:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
-            # about a millisecond, 1-2% of a plain step at 16 requests. Only where drafting lost ("lost") does it stay
-            # off for long: a step that measures the plain side, or waits for a representative one, drafts soon after.
+            # about a millisecond, 1-2% of a plain step at 16 requests.
             self._gate_ruled_out = True
-            self._ruled_out = action == "lost"
             return self._skip("gate")
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
-            self._ruled_out = True
             return self._skip("cannot_pay")  # not even certain drafts would be verified at this batch size
         stale, known = self._stale_confidences(smoothed=True)
         predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
@@ -1581,40 +1476,10 @@ class DSparkEngine:
         cap_tensor = torch.tensor(caps, device=self.device)
         return schedule_batch(confidences, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
 
-    def _recapture(self, rows: Sequence[int]) -> None:
-        """Recompute the target features of the gaps of ``rows`` (positions verified without capture) in one target
-        forward over the batch: each gap position's token attends to the cached positions before its own and to
-        itself, as when it was verified, and what the forward appends to the cache is dropped again. Rows without
-        gaps pad the batch (each such query attends to itself alone)."""
-        context, cache, device = self._context, self._cache, self.device
-        gaps = {r: context.gap_positions(r) for r in rows if context.missing_counts[r]}
-        width = max(len(p) for p in gaps.values())
-        positions = torch.zeros(len(self._rows), width, dtype=torch.long, device=device)
-        ids = torch.zeros(len(self._rows), width, dtype=torch.long, device=device)
-        real = torch.zeros(len(self._rows), width, dtype=torch.bool, device=device)
-        for r, gap in gaps.items():
-            request = self._rows[r]
-            tokens = torch.tensor(request.prompt_ids + request.tokens, device=device)
-            positions[r, : len(gap)], ids[r, : len(gap)], real[r, : len(gap)] = gap, tokens[gap], True
-        sees = (cache.column_positions()[:, None, :] < positions[:, :, None]) & cache.valid[:, None, :]
-        sees &= real[:, :, None]  # [R, Q, W]: the cached positions before each query's own
-        itself = torch.eye(width, dtype=torch.bool, device=device).expand(len(self._rows), -1, -1)
-        mask = torch.cat([sees, itself], dim=2)[:, None]  # [R, 1, Q, W + Q]
-        with packed_attention(self.target):
-            out = self.target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache.target_cache,
-                              use_cache=True, logits_to_keep=1, output_hidden_states=list(self._taps))
-        cache.discard_appended()
-        taps = [out.hidden_states[i] for i in self._taps]
-        for r in gaps:
-            context.fill_gaps(r, taps, positions, r)
-
     # --------------------------------------------------------------------------------------------------------------
     # Verification: one padded target forward over every request's block
     # --------------------------------------------------------------------------------------------------------------
-    def _verify(self, lengths: list[int], drafts: _Drafts | None,
-                capture: bool = True) -> tuple[list[int], list[int]]:
-        """One target forward over every row's block; ``capture``: keep the verified positions' target features for
-        the drafter (else they become gaps in its context, ``lazy_features``)."""
+    def _verify(self, lengths: list[int], drafts: _Drafts | None) -> tuple[list[int], list[int]]:
         rows, cache, device = self._rows, self._cache, self.device
         num_rows, width = len(rows), max(lengths) + 1
         num_drafts = torch.tensor(lengths, device=device)
@@ -1626,7 +1491,7 @@ class DSparkEngine:
         block = torch.cat([anchors[:, None], draft_ids], dim=1)
         block = torch.where(block_valid, block, anchors[:, None])  # padding: any real id, masked out
         positions = torch.tensor([r.length for r in rows], device=device)[:, None] + torch.arange(width, device=device)
-        extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None and capture else {}
+        extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
         with packed_attention(self.target):  # no per-head copy of the cache for a wide block
             out = self.target(input_ids=block, attention_mask=cache.attention_mask(block_valid),
                               position_ids=positions, cache=cache.target_cache, use_cache=True, **extra)
@@ -1651,10 +1516,8 @@ class DSparkEngine:
                 a, t = speculative_verify(draft_ids[sel], num_drafts[sel], q, p, self.generator)
             accepted[sel], next_tokens[sel] = a, t
 
-        if self.drafter is not None and capture:  # the verified positions' features wait until the request drafts
+        if self.drafter is not None:  # the verified positions' features wait until the request drafts again
             self._context.defer([out.hidden_states[i] for i in self._taps], positions, (accepted + 1).tolist())
-        elif self.drafter is not None:
-            self._context.defer_gaps(positions, (accepted + 1).tolist())
         # Keep the anchor and the accepted drafts; rejected drafts and padding become holes.
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()

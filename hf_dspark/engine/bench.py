@@ -104,12 +104,12 @@ def _pretouch_heap(libc, size: int, chunk: int) -> None:
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
     keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
-    the engine's realized gate off, to measure what it brings, ``scheduled=...,lazy`` turns its ``lazy_features``
-    on (no target features captured while drafting is ruled out), and ``scheduled=...,emitted`` has its realized gate
-    count the tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
-    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings; and
-    ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded forward): a ``PrefillCost`` with
-    ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards brings."""
+    the engine's realized gate off, to measure what it brings, and ``scheduled=...,emitted`` has its realized gate
+    count the tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any method takes
+    ``,hold=H`` (e.g. ``plain,hold=0``, ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure
+    what holding admissions brings; and ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded
+    forward): a ``PrefillCost`` with ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards
+    brings."""
     head, *options = spec.split(",")
     name, _, value = head.partition("=")
     kwargs: dict = {}
@@ -137,18 +137,17 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
     if name == "scheduled":
         options = ([value] if value else []) + rest
-        flags = {"ungated": ("realized_gate", False), "lazy": ("lazy_features", True),
-                 "emitted": ("gate_tokens", "emitted")}
+        flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,lazy][,emitted][,hold=H]"
+            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,emitted][,hold=H]"
                              f"[,prefill=F], "
                              f"SCHEDULE one of {SCHEDULES}")
         out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
     raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated]"
-                     f"[,lazy][,emitted], each with optional ,hold=H and ,prefill=F")
+                     f"[,emitted], each with optional ,hold=H and ,prefill=F")
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:

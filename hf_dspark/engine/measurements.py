@@ -27,18 +27,6 @@ MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the co
 MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
 
 
-def _record_positions(window: RoundWindow, what: str, positions: int, seconds: float) -> None:
-    if positions < 1 or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"a {what} needs positions >= 1 and finite seconds >= 0, got {positions}, {seconds}")
-    window.append((int(positions), float(seconds)))
-
-
-def _price_positions(window: RoundWindow, positions: int) -> float:
-    """``positions`` at the window's total seconds over total positions (0 while it is empty)."""
-    rate = window.rate()  # positions per second (None before the first, inf for free ones)
-    return positions / rate if rate else 0.0
-
-
 def ema(previous: float | None, value: float) -> float:
     """Exponential moving average with ``EMA_WEIGHT`` on the newest value (the value itself when there is none)."""
     return value if previous is None else (1.0 - EMA_WEIGHT) * previous + EMA_WEIGHT * value
@@ -82,9 +70,6 @@ class EngineMeasurements(RealizedGate):
     - ``catch_up``: the last ``CATCH_UP_WINDOW`` context catch-ups, ``(positions, seconds)``: a drafting step first
       projects the target features its rows verified while they did not draft; ``catch_up_seconds(positions)`` prices
       the next one at their total seconds over total positions (the realized gate's price of a re-measurement);
-    - ``recapture``: likewise the last ``CATCH_UP_WINDOW`` forwards that recomputed target features a lazy engine
-      did not capture (``DSparkEngine(lazy_features=True)``), ``(positions, seconds)``, priced by
-      ``recapture_seconds(positions)``;
 
     - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
       mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new
@@ -106,7 +91,6 @@ class EngineMeasurements(RealizedGate):
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
         # (positions, seconds) pairs with running totals: the same window as the realized gate's (tokens, seconds)
         self.catch_up = RoundWindow(maxlen=CATCH_UP_WINDOW)
-        self.recapture = RoundWindow(maxlen=CATCH_UP_WINDOW)
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
@@ -125,19 +109,14 @@ class EngineMeasurements(RealizedGate):
 
     def record_catch_up(self, positions: int, seconds: float) -> None:
         """One context catch-up: ``positions`` pending target positions projected in ``seconds``."""
-        _record_positions(self.catch_up, "catch-up", positions, seconds)
+        if positions < 1 or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a catch-up needs positions >= 1 and finite seconds >= 0, got {positions}, {seconds}")
+        self.catch_up.append((int(positions), float(seconds)))
 
     def catch_up_seconds(self, positions: int) -> float:
         """The expected seconds of catching up ``positions`` pending positions (0 before any catch-up was timed)."""
-        return _price_positions(self.catch_up, positions)
-
-    def record_recapture(self, positions: int, seconds: float) -> None:
-        """One recapture: the target features of ``positions`` uncaptured positions recomputed in ``seconds``."""
-        _record_positions(self.recapture, "recapture", positions, seconds)
-
-    def recapture_seconds(self, positions: int) -> float:
-        """The expected seconds of recomputing ``positions`` uncaptured positions (0 before any was timed)."""
-        return _price_positions(self.recapture, positions)
+        rate = self.catch_up.rate()  # positions per second (None before the first, inf for free ones)
+        return positions / rate if rate else 0.0
 
     def record_confidences(self, total: list[float], count: int) -> None:
         """Add ``count`` drafts whose per-position confidences sum to ``total``."""
@@ -210,7 +189,6 @@ class EngineMeasurements(RealizedGate):
                          for (rows, drafted), window in sorted(self.realized.items())],
             "confidence_prior": [self.confidence_count, self.confidence_sum],
             "catch_up": [list(entry) for entry in self.catch_up],
-            "recapture": [list(entry) for entry in self.recapture],
         }
 
     @classmethod
@@ -235,11 +213,10 @@ class EngineMeasurements(RealizedGate):
             count, sums = data["confidence_prior"]
             if sums is not None:
                 out.record_confidences(sums, count)
-        for name, record in (("catch_up", out.record_catch_up), ("recapture", out.record_recapture)):
-            for entry in data.get(name) or []:  # files before them carry none
-                if len(entry) != 2:
-                    raise ValueError(f"not an engine measurements file: {name} entry {entry!r}")
-                record(int(entry[0]), float(entry[1]))
+        for entry in data.get("catch_up") or []:  # files before it carry none
+            if len(entry) != 2:
+                raise ValueError(f"not an engine measurements file: catch_up entry {entry!r}")
+            out.record_catch_up(int(entry[0]), float(entry[1]))
         out.version = 1 if out.verify_cost else 0
         return out
 

@@ -516,8 +516,7 @@ class RealizedGate:
                          catch_up: float = 0.0) -> tuple[bool, str | None]:
         """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
         ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
-        side starts now), ``"lost"`` (drafting is off because it lost here, or at a size nearby, and its
-        re-measurement waits) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
+        side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
         drafting decision costs when the gate rules drafting out anyway."""
         if not math.isfinite(catch_up) or catch_up < 0:
             raise ValueError(f"catch_up must be a finite number of seconds >= 0, got {catch_up}")
@@ -565,11 +564,11 @@ class RealizedGate:
         rounds have passed)."""
         since = self.steps_since.get((rows, True), 0)
         if since < self.explore_wait.get(rows, explore_interval):
-            return False, "lost"
+            return False, None
         if (explore_budget > 0 and since < max_explore_interval
                 and explore_budget * self.plain_seconds.get(rows, 0.0)
                 < self.remeasure_loss(priced_by, plain_rate) + catch_up):
-            return False, "lost"  # drafting lost by so much that re-measuring now would spend more than the budget
+            return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
         return True, "remeasure"
 
     def remeasure_loss(self, rows: int, plain_rate: float) -> float:
