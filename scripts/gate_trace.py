@@ -4,8 +4,9 @@ Runs bench-serve with the given arguments and prints one line for every step in 
 the batch size, the rows drafting, the realized gate's verdict, and the rates it compared (``compared_rates``:
 drafting against plain tokens per second at that batch size), with the round numbers behind them. It shows why the
 gate let drafting run where a whole run then lost (session 30: at 16 requests its per-step rates said drafting
-won while the runs that drafted were slower). With ``--methods ... scheduled,emitted`` it also prints every
-scheduled step's tokens counted both ways (``STEP`` lines), to compare what each count says drafting delivered.
+won while the runs that drafted were slower). It also prints, for every engine that drafts (scheduled or fixed),
+each step's tokens counted both ways (``STEP`` lines: emitted, and ``batch_progress``, the realized gate's default
+count), for the steps whose rows stay the same through the step (no admission).
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/gate_trace.py --prompts ../shared/data/eval \
         --drafter hf_dspark/drafters/smollm2-135m-instruct-dspark --num-prompts 64 --max-new-tokens 32 \
@@ -15,11 +16,12 @@ scheduled step's tokens counted both ways (``STEP`` lines), to compare what each
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
 from hf_dspark.cli import main
-from hf_dspark.engine import batching
+from hf_dspark.engine import batching, batch_progress
 
 
 def traced(drafting_rows):
@@ -47,24 +49,21 @@ def traced(drafting_rows):
 
 
 def counted(step):
-    """Each drafting-capable step's tokens both ways (``gate_tokens``): emitted, and the batch's progress (rows times how far
-    the request with the most new tokens left advanced), with its seconds: ``STEP R=.. drafted=.. emitted=..
-    horizon=.. seconds=..``."""
+    """A drafting engine's steps, tokens counted both ways (``gate_tokens``), with their seconds:
+    ``STEP R=.. drafted=.. emitted=.. progress=.. seconds=..``."""
 
     def wrapper(self):
-        if self.method == "plain" or not self._rows or self._waiting and self.num_active < (
-                self.max_concurrency or 0):
-            return step(self)  # a step that admits: its rows change under it
+        free = (self.max_concurrency or math.inf) - self.num_active
+        if self.method == "plain" or not self._rows or (self._waiting and free > 0):
+            return step(self)  # a step that may admit: its rows change under it
         left = {r.request_id: r.remaining for r in self._rows}
-        drafting_before = len(self.stats.drafting)
         started = time.perf_counter()
         events = step(self)
         seconds = time.perf_counter() - started
         new = {e.request_id: len(e.token_ids) for e in events if e.request_id in left}
-        if len(self.stats.drafting) > drafting_before and len(new) == len(left):
-            horizon = len(left) * (max(left.values()) - max(left[k] - new[k] for k in left))
-            print(f"STEP R={len(left)} drafted={bool(self.stats.drafting[-1])} emitted={sum(new.values())} "
-                  f"horizon={horizon} seconds={seconds:.4f}", flush=True)
+        progress = batch_progress(list(left.values()), [new[k] for k in left])
+        print(f"STEP R={len(left)} drafted={bool(self.stats.drafting[-1])} emitted={sum(new.values())} "
+              f"progress={progress} seconds={seconds:.4f}", flush=True)
         return events
 
     return wrapper

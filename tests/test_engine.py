@@ -863,12 +863,29 @@ def test_context_catch_ups_are_timed_and_price_a_remeasurement(tiny_targets, tra
         EngineMeasurements.from_dict({**old_file, "catch_up": [[1, 2, 3]]})
 
 
-@pytest.mark.parametrize("gate_tokens", ["horizon", "emitted"])
-def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trained_drafters, gate_tokens):
-    """``gate_tokens="horizon"`` (the default): the realized gate counts a step as its rows times how far it brought
-    the request furthest from done (most new tokens left), so drafts accepted by some rows and not by the furthest
-    count for nothing (the batch still waits for it); a plain step counts its rows. ``"emitted"``: the tokens
-    emitted. Outputs equal plain greedy either way."""
+def test_batch_progress_counts_what_the_batch_as_a_whole_advanced():
+    """Hand-computed: rows times how much the step lowered the most new tokens any row has left."""
+    from hf_dspark.engine import batch_progress
+
+    assert batch_progress([10, 10, 10, 10], [1, 1, 1, 1]) == 4  # a plain step: its rows
+    assert batch_progress([10, 10, 10, 10], [5, 3, 1, 2]) == 4  # in step: the slowest row decides
+    assert batch_progress([10, 10, 10, 10], [5, 3, 2, 2]) == 8
+    assert batch_progress([20, 19], [5, 1]) == 2 * 2  # 20 -> 15, but 19 -> 18 is now the most left
+    assert batch_progress([20, 12], [5, 1]) == 2 * 5  # out of step: the furthest row's advance
+    assert batch_progress([7], [4]) == 4  # one request: what it emitted
+    assert batch_progress([30, 3], [1, 1]) == 2  # a row ended by EOS (or length) counts as having advanced
+    with pytest.raises(ValueError, match="one emitted count per row"):
+        batch_progress([3, 3], [1])
+
+
+@pytest.mark.parametrize("gate_tokens", ["progress", "emitted"])
+def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trained_drafters, gate_tokens, tmp_path):
+    """``gate_tokens="progress"`` (the default): the realized gate records each step's ``batch_progress``, so drafts
+    accepted by some rows and not by the one furthest from done count for nothing (the batch still waits for it);
+    ``"emitted"``: the tokens emitted. Outputs equal plain greedy either way. The count travels with the
+    measurements, and windows counted the other way are refused."""
+    from hf_dspark.engine import EngineMeasurements, batch_progress
+
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=1,
@@ -883,25 +900,32 @@ def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trai
     engine.measurements.record_step = spy
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
     expected, differs = [], 0
-    engine.step()  # admission: the prompts' first tokens
+    engine.step()  # admission and the step where every request takes its first step (not recorded)
     recorded.clear()
     while engine.has_unfinished():
         left = {r.request_id: r.remaining for r in engine._rows}
         events = engine.step()
         new = {e.request_id: len(e.token_ids) for e in events if e.request_id in left}
+        progress = batch_progress(list(left.values()), [new[k] for k in left])
         emitted = sum(new.values())
-        horizon = len(left) * (max(left.values()) - max(left[k] - new[k] for k in left))
-        expected.append(horizon if gate_tokens == "horizon" else emitted)
-        differs += horizon != emitted
-    assert [output for _, _, output in recorded] == expected[: len(recorded)] and len(recorded) == len(expected)
-    assert differs > 0  # some drafting step's drafts were not accepted by the furthest request alone
-    if gate_tokens == "horizon":
+        expected.append(progress if gate_tokens == "progress" else emitted)
+        differs += progress != emitted
+    assert [output for _, _, output in recorded] == expected
+    assert differs > 0  # some drafting step's drafts were accepted beyond the furthest request's
+    if gate_tokens == "progress":
         assert all(output == rows for rows, drafted, output in recorded if not drafted)
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 20)
+    saved = engine.measurements.save(tmp_path / "m.json")
+    other = "emitted" if gate_tokens == "progress" else "progress"
+    with pytest.raises(ValueError, match=f"count {gate_tokens!r} tokens"):
+        DSparkEngine(target, drafter, gate_tokens=other, measurements=EngineMeasurements.load(saved))
+    DSparkEngine(target, drafter, gate_tokens=gate_tokens, measurements=EngineMeasurements.load(saved))
+    old_file = EngineMeasurements.load(saved).to_dict()
+    del old_file["gate_tokens"]  # written before the count was kept: emitted tokens
+    assert EngineMeasurements.from_dict(old_file).gate_tokens == "emitted"
     with pytest.raises(ValueError, match="gate_tokens"):
         DSparkEngine(target, drafter, gate_tokens="tokens")
-
 
 def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gate(tiny_targets, trained_drafters):
     """The step where every request takes its first step after the prompt neither drafts to measure drafting (nothing

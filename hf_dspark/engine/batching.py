@@ -92,7 +92,7 @@ ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
-GATE_TOKENS = ("horizon", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
+GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
 # to its own median. Each width's timings come from other stretches of the run: at 16 requests the width-2 steps
@@ -775,13 +775,14 @@ class DSparkEngine:
             prices its decisions with, and adds to. Pass the same object to several engines (or one loaded from a
             file) and each starts from what the others measured instead of paying to learn it again; it must come
             from the same target, drafter, device, dtype and thread count (else ``ValueError``). Default: a fresh one.
-        gate_tokens: what ``realized_gate`` counts as a step's output: ``"horizon"`` (the default) the batch's rows
-            times how far the step brought its furthest-from-done request (the most ``max_new_tokens`` left): the
-            steps the batch as a whole saved, which is what a drafting step buys when its requests have to finish
-            together (those joining after them are prefilled together, ``admission_hold``; or none are waiting): at
-            16 requests in step, drafts accepted by some rows and not by the slowest only make the others wait.
-            Where rows are out of step the furthest one is any of them, and on average it counts what the step
-            emitted. A plain step counts its rows either way. ``"emitted"``: the tokens the step emitted.
+        gate_tokens: what ``realized_gate`` counts as a step's output: ``"progress"`` (the default,
+            ``batch_progress``) the batch's rows times how much the step lowered the most new tokens any of its
+            requests has left: the steps the batch as a whole saved, which is what a drafting step buys when its
+            requests finish together (those joining after them are prefilled together, ``admission_hold``; or none
+            are waiting): at 16 requests in step, drafts accepted by some rows and not by the one furthest from done
+            only make the others wait. A plain step counts its rows either way, one request what it emitted; where
+            rows are out of step it is a lower bound. ``"emitted"``: the tokens the step emitted. The count is kept
+            with the measurements (``EngineMeasurements.gate_tokens``): windows counted the other way are refused.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
         clock: the time source of each request's timestamps (arrival, start, first token, finish: its
             ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
@@ -796,7 +797,7 @@ class DSparkEngine:
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, gate_tokens: str = "horizon", seed: int = 0,
+                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress", seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -864,6 +865,8 @@ class DSparkEngine:
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
+        if self.realized_gate:
+            self.measurements.bind_gate_tokens(gate_tokens)
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self._gate_ruled_out = False  # this step's drafting was ruled out by the realized gate alone
@@ -990,7 +993,7 @@ class DSparkEngine:
         if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
-        keep, emitted, left_after = [], 0, 0
+        keep, emitted, new_counts = [], 0, []
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
         confidences = {} if drafts is None or drafts.confidences is None else dict(
             zip(drafts.rows, drafts.confidences.tolist()))
@@ -1011,7 +1014,7 @@ class DSparkEngine:
             request.length += accepted[i] + 1
             new = request.emit(draft_ids.get(i, [])[: accepted[i]] + [next_tokens[i]])
             emitted += len(new)
-            left_after = max(left_after, remaining[i] - len(new))  # as if an EOS had not ended it
+            new_counts.append(len(new))
             finished = request.finish_reason is not None
             events.append(TokenEvent(request.request_id, new, finished, request.finish_reason))
             if finished:
@@ -1053,7 +1056,7 @@ class DSparkEngine:
         seconds = time.perf_counter() - t0
         self.stats.seconds.append(seconds)
         if self.realized_gate and representative:  # what the whole step delivered (a first step is not typical)
-            output = emitted if self.gate_tokens == "emitted" else len(rows) * (max(remaining) - left_after)
+            output = emitted if self.gate_tokens == "emitted" else batch_progress(remaining, new_counts)
             self.measurements.record_step(len(rows), bool(drafting), output, seconds)
         if checked and drafting and self._prediction is not None:
             self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
@@ -1523,6 +1526,16 @@ class DSparkEngine:
         return accepted.tolist(), next_tokens.tolist()
 
 
+def batch_progress(remaining: Sequence[int], emitted: Sequence[int]) -> int:
+    """A step's output as the realized gate counts it by default (``gate_tokens="progress"``): the rows times how
+    much the step lowered the most new tokens any row has left (``remaining`` before it, less what each row
+    ``emitted``; a row ended by EOS counts as if it had not been). With every row equally far from done that is the
+    rows times the least any of them advanced; a plain step counts its rows, a single request what it emitted."""
+    if len(remaining) != len(emitted) or not remaining:
+        raise ValueError(f"batch_progress needs one emitted count per row, got {len(remaining)} and {len(emitted)}")
+    return len(remaining) * (max(remaining) - max(left - new for left, new in zip(remaining, emitted)))
+
+
 def nondecreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators): runs that decrease are
     replaced by their weighted mean, merging until the sequence never decreases."""
@@ -1666,11 +1679,13 @@ __all__ = [
     "ENGINE_EXPLORE_BUDGET",
     "ENGINE_MAX_EXPLORE_INTERVAL",
     "EngineStats",
+    "GATE_TOKENS",
     "PrefillCost",
     "RaggedBatchCache",
     "RequestOutput",
     "SamplingParams",
     "TokenEvent",
+    "batch_progress",
     "capped_confidences",
     "generate_batch",
     "greedy_verify",

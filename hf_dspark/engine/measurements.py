@@ -62,10 +62,12 @@ class EngineMeasurements(RealizedGate):
       average of a rarely run width is mostly its last few timings), and ``verify_count[(rows, width)]`` how many
       timings it has seen (``timings``: how many stand behind the price, which decides how far the engine trusts it
       over the profile);
-    - ``realized[(rows, drafted)]``: ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole steps
+    - ``realized[(rows, drafted)]``: ``(tokens, seconds)`` of the last ``realized_window(rows)`` whole steps
       (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
       drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
-      machine) moves it by a thirty-second (less in longer windows), not by the 30% a moving average would.
+      machine) moves it by a thirty-second (less in longer windows), not by the 30% a moving average would. The
+      tokens are counted as ``gate_tokens`` says (``DSparkEngine(gate_tokens=)``: the batch's progress, or the
+      tokens emitted; files written before it have emitted tokens);
 
     - ``catch_up``: the last ``CATCH_UP_WINDOW`` context catch-ups, ``(positions, seconds)``: a drafting step first
       projects the target features its rows verified while they did not draft; ``catch_up_seconds(positions)`` prices
@@ -94,6 +96,8 @@ class EngineMeasurements(RealizedGate):
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
+        # how the realized windows count a step's tokens (``DSparkEngine(gate_tokens=)``); None until an engine binds
+        self.gate_tokens: str | None = None
 
     # -- recording -----------------------------------------------------------------------------------------------
     def record_draft(self, bucket: int, seconds: float) -> None:
@@ -179,9 +183,20 @@ class EngineMeasurements(RealizedGate):
             raise ValueError(f"these engine measurements were taken under other conditions ({details}); "
                              "use a fresh EngineMeasurements (or another file) for this setup")
 
+    def bind_gate_tokens(self, gate_tokens: str) -> None:
+        """Record how the engine using these measurements counts a step's tokens in the realized windows; refuse
+        windows counted another way (their rates are not comparable)."""
+        if self.gate_tokens is None:
+            self.gate_tokens = gate_tokens
+        elif gate_tokens != self.gate_tokens:
+            raise ValueError(f"these measurements' realized windows count {self.gate_tokens!r} tokens, the engine "
+                             f"{gate_tokens!r}: use DSparkEngine(gate_tokens={self.gate_tokens!r}) or fresh "
+                             "measurements")
+
     def to_dict(self) -> dict:
         return {
             "key": self.key,
+            "gate_tokens": self.gate_tokens,
             "draft_cost": [[bucket, seconds] for bucket, seconds in sorted(self.draft_cost.items())],
             "verify_cost": [[rows, width, seconds, self.timings(rows, width)]
                             for (rows, width), seconds in sorted(self.verify_cost.items())],
@@ -218,6 +233,8 @@ class EngineMeasurements(RealizedGate):
                 raise ValueError(f"not an engine measurements file: catch_up entry {entry!r}")
             out.record_catch_up(int(entry[0]), float(entry[1]))
         out.version = 1 if out.verify_cost else 0
+        # files before it counted the tokens each step emitted (and those without realized windows, nothing)
+        out.gate_tokens = data.get("gate_tokens", "emitted" if out.realized else None)
         return out
 
     def save(self, path: str | Path) -> Path:
