@@ -718,9 +718,9 @@ class DSparkEngine:
             ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``, each scaled by what the
             steps this model decided delivered against its prediction for them (``EngineMeasurements.model_factor``).
         realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
-            per batch size R, tokens emitted per second over recent whole steps (drafter, context
-            catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where none
-            did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
+            per batch size R, tokens per second (counted as ``gate_tokens`` says) over recent whole steps (drafter,
+            context catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where
+            none did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
             last 4 plain steps against the drafting steps since the first of them, ``RealizedGate.compared_rates``:
             the two sides from the same stretch of a machine whose speed drifts), R decodes plain, drafting again
             after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
@@ -993,7 +993,7 @@ class DSparkEngine:
         if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
-        keep, emitted, new_counts = [], 0, []
+        keep, new_counts = [], []
         draft_ids = {} if drafts is None else dict(zip(drafts.rows, drafts.ids.tolist()))
         confidences = {} if drafts is None or drafts.confidences is None else dict(
             zip(drafts.rows, drafts.confidences.tolist()))
@@ -1013,7 +1013,6 @@ class DSparkEngine:
                 request.idle_steps += 1
             request.length += accepted[i] + 1
             new = request.emit(draft_ids.get(i, [])[: accepted[i]] + [next_tokens[i]])
-            emitted += len(new)
             new_counts.append(len(new))
             finished = request.finish_reason is not None
             events.append(TokenEvent(request.request_id, new, finished, request.finish_reason))
@@ -1021,6 +1020,7 @@ class DSparkEngine:
                 self._finish(request)
             else:
                 keep.append(i)
+        emitted = sum(new_counts)
         if len(keep) < len(rows):
             order = tail_filled_order(keep)
             self._rows = [rows[i] for i in order]

@@ -140,9 +140,8 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            raise ValueError(f"method {spec!r}: expected scheduled[=SCHEDULE][,ungated][,emitted][,hold=H]"
-                             f"[,prefill=F], "
-                             f"SCHEDULE one of {SCHEDULES}")
+            form = "scheduled[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
+            raise ValueError(f"method {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
         out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
