@@ -15,6 +15,7 @@ from .batching import (
     SamplingParams,
     TokenEvent,
     batch_progress,
+    expected_batch_progress,
     capped_confidences,
     generate_batch,
     greedy_verify,

@@ -162,6 +162,17 @@ class EngineMeasurements(RealizedGate):
         weight = len(window) / (len(window) + MODEL_PRIOR_STEPS)
         return math.exp(weight * math.log(max(realized, 1e-9) / predicted))
 
+    def draft_cost_bound(self, bucket: int) -> float | None:
+        """The drafter's seconds per forward at ``bucket`` drafting rows, or, not timed there yet, at the largest
+        smaller bucket timed (a lower bound: more rows cost no less); None before any timing at or below it."""
+        timed = [b for b in self.draft_cost if b <= bucket]
+        return self.draft_cost[max(timed)] if timed else None
+
+    def has_drafted(self, rows: int) -> bool:
+        """Whether a step at ``rows`` requests has drafted and entered the realized gate's windows (here or in the
+        measurements this was loaded from)."""
+        return bool(self.realized.get((rows, True)))
+
     def timings(self, rows: int, width: int) -> int:
         """How many verify timings stand behind ``verify_cost[(rows, width)]``: those seen, up to the median's
         ``VERIFY_WINDOW`` (1 for a price set without a count; 0 when there is none)."""
