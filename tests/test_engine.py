@@ -904,9 +904,9 @@ def test_expected_batch_progress_is_the_mean_of_batch_progress():
 
 
 # Four rows in step at a batch size where a width of 2 costs 100/70 of plain (certain drafts would pay), with the
-# rows judged by a confidence prior of 0.5: the scheduler admits one draft per row, 6 tokens emitted against 4 (417
-# tok/s against plain's 400, the drafter timed at 0.1 ms), but all four rows advance by 2 only with probability 0.5^4:
-# an expected batch progress of 4.25 tokens, 295 tok/s, below 0.8 of plain's.
+# rows judged by a confidence prior of 0.5: the scheduler admits one draft per row. The drafter, timed at 1 and 2 ms
+# for 1 and 2 rows, is priced at 4 ms for 4: 6 tokens emitted against 4 in 18.3 ms, 328 tok/s against plain's 400,
+# but all four rows advance by 2 only with probability 0.5^4: an expected batch progress of 4.25 tokens, 232 tok/s.
 VETO_SPS = BatchedStepsPerSecond({4: StepsPerSecond([4, 8, 12, 32], [100.0, 70.0, 55.0, 20.0])})
 
 
@@ -929,14 +929,15 @@ def test_cost_model_vetoes_measuring_drafting_it_predicts_far_behind():
             request.last_confidences = request.smoothed_confidences = [0.5] * engine.block_size
             request.idle_steps = request.probe_wait  # probes are due: vetoed all the same
         if timed:
-            engine.measurements.record_draft(1, 1e-4)  # timed at one row only: a lower bound at four
+            engine.measurements.record_draft(1, 1e-3)
+            engine.measurements.record_draft(2, 2e-3)
         if drafted:
             engine.measurements.record_step(4, True, 4, 0.1)
         return engine
 
     caps = [3] * 4
     vetoed = engine_at_four()
-    assert 295 < EXPLORE_VETO_MARGIN * 400 and 417 > EXPLORE_VETO_MARGIN * 400  # the numbers above
+    assert 232 < EXPLORE_VETO_MARGIN * 400 < 328  # the numbers above
     assert vetoed._drafting_rows(caps, None, representative=True) == []
     assert vetoed.stats.skips == {"model": 1} and vetoed._vetoed_until == {4: 5} and not vetoed._ruled_out
     vetoed._exploration_vetoed = None  # the veto stands: not re-examined (nor the cost model checked) for 5 steps
@@ -951,6 +952,22 @@ def test_cost_model_vetoes_measuring_drafting_it_predicts_far_behind():
             engine_at_four(veto=bad)
 
 
+def test_draft_cost_estimate_extrapolates_from_smaller_batches():
+    """Timed: its own cost; not timed: the line through the two largest smaller buckets timed, never below the
+    larger (one smaller bucket: its cost); nothing timed at or below: None."""
+    from hf_dspark.engine import EngineMeasurements
+
+    measurements = EngineMeasurements()
+    assert measurements.draft_cost_estimate(4) is None
+    measurements.draft_cost = {2: 0.011}
+    assert measurements.draft_cost_estimate(1) is None and measurements.draft_cost_estimate(8) == 0.011
+    measurements.draft_cost = {1: 0.009, 2: 0.011}
+    assert measurements.draft_cost_estimate(2) == 0.011
+    assert measurements.draft_cost_estimate(16) == pytest.approx(0.011 + 14 * 0.002)
+    measurements.draft_cost = {1: 0.009, 2: 0.011, 4: 0.010}  # a noisy timing: no cheaper than the largest timed
+    assert measurements.draft_cost_estimate(16) == 0.010
+
+
 def test_vetoed_exploration_decodes_plain_and_exactly(tiny_targets, trained_drafters):
     """An engine whose measurements carry a confidence prior and a drafter timing (what a server learned at smaller
     batches) serves four requests in step at ``VETO_SPS``: counting the batch's progress it never drafts there, and
@@ -963,7 +980,8 @@ def test_vetoed_exploration_decodes_plain_and_exactly(tiny_targets, trained_draf
     for gate_tokens in ("progress", "emitted"):
         measurements = EngineMeasurements()
         measurements.record_confidences([0.5] * drafter.config.block_size, 1)
-        measurements.record_draft(1, 1e-4)
+        measurements.record_draft(1, 1e-3)
+        measurements.record_draft(2, 2e-3)
         engine = DSparkEngine(target, drafter, method="scheduled", sps=VETO_SPS, gate_tokens=gate_tokens,
                               measurements=measurements)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]

@@ -93,11 +93,15 @@ ENGINE_MAX_EXPLORE_INTERVAL = 4096
 # The realized gate measures drafting at a batch size by drafting there, and in a batch that first measurement costs
 # 3-5% of a run (its extra tokens make requests finish apart: held slots, extra prefill forwards; bench-serve at 16
 # requests, bf16, 32 new tokens: the first run read 0.950-0.968 of plain in sessions 29-30, the later ones 0.99-1.0).
-# Where the cost model, counting a step's output as the gate will and pricing the drafter no dearer than at the
-# largest batch it was timed at, predicts drafting below this fraction of plain decoding's rate, the engine does not
-# pay to measure it (``DSparkEngine._exploration_vetoed``). A closer call is left to the gate: the model's factors
-# (``EngineMeasurements.model_factor``) have moved its predictions by 10-20% where it was checked.
-EXPLORE_VETO_MARGIN = 0.8
+# Where the cost model, counting a step's output as the gate will, predicts drafting below this fraction of plain
+# decoding's rate, the engine does not pay to measure it (``DSparkEngine._exploration_vetoed``). A closer call is left
+# to the gate: for rows in step the model counts only what all of them gain, and once drafting runs they fall out of
+# step, where their extra tokens count. SmolLM2 with the embedded drafter (bf16, 2 threads; the confidence prior,
+# drafter timings and model factors of the session-31 sweep's engine, cut to what a server that had served up to 2 / 4
+# requests would hold): 4 rows in step 0.80 of plain's rate, where drafting then won (1.11x plain at 4 requests,
+# ``reports/bench-serve-smollm2-bf16-epyc-s31-sweep.json``); 8 rows 0.68 / 0.70, 16 rows 0.65 / 0.67, 64 rows
+# 0.63 / 0.67, where it lost.
+EXPLORE_VETO_MARGIN = 0.75
 
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
@@ -795,8 +799,8 @@ class DSparkEngine:
         explore_veto: under ``realized_gate``, at a batch size where no step has drafted yet (so the gate would let
             drafting run, to measure it), nothing drafts while the cost model predicts drafting below this fraction
             of plain decoding's rate, the step's output counted as the gate counts it and the drafter priced at its
-            cost for those rows or, not timed there yet, at the largest smaller batch timed (``EXPLORE_VETO_MARGIN``,
-            0.8: a first measurement costs a batch 3-5% of a run; 0 turns the veto off). Needs a confidence for
+            cost for those rows or, not timed there yet, extrapolated from smaller batches (``EXPLORE_VETO_MARGIN``,
+            0.75: a first measurement costs a batch 3-5% of a run; 0 turns the veto off). Needs a confidence for
             every row (``confidence_prior``) and a drafter timing. A veto stands ``explore_interval`` steps.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
         clock: the time source of each request's timestamps (arrival, start, first token, finish: its
@@ -1471,15 +1475,15 @@ class DSparkEngine:
         what a measurement costs a batch. It counts the step's output as the gate will (``gate_tokens``: for the
         batch's progress, ``expected_batch_progress`` of the rows' predicted survivals; at 16 requests in step, drafts
         accepted by some rows and not by the one furthest from done are worth nothing), and prices the drafter at its
-        measured cost for ``candidates`` rows or, not timed there yet, at the largest smaller batch timed (no dearer:
-        more rows cost no less). With no such timing, or a request with no confidences to judge it by (no draft seen
-        yet, ``confidence_prior``), drafting is measured as before. A veto holds for ``explore_interval`` steps at
+        measured cost for ``candidates`` rows or, not timed there yet, extrapolated from smaller batches
+        (``EngineMeasurements.draft_cost_estimate``). With no such timing, or a request with no confidences to judge
+        it by (no draft seen yet, ``confidence_prior``), drafting is measured as before. A veto holds for ``explore_interval`` steps at
         that batch size, then the model looks again (the rows' state moves: out of step, their remaining tokens
         shift the expected progress). The decision reads past steps only: lossless."""
         rows = stale.shape[0]
         if not self.realized_gate or not self.explore_veto or self.measurements.has_drafted(rows) or not all(known):
             return False
-        cost = self.measurements.draft_cost_bound(_bucket(candidates))
+        cost = self.measurements.draft_cost_estimate(_bucket(candidates))
         if cost is None:
             return False
         survival = _admitted_survival(stale, predicted)
