@@ -672,8 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk; append ',ungated' "
                             "(or scheduled=ungated) to turn the realized gate off, ',emitted' to have the gate "
-                            "count emitted tokens (gate_tokens), ',unvetoed' to turn the cost model's veto on "
-                            "measuring drafting off (explore_veto=0); "
+                            "count emitted tokens (gate_tokens); "
                             "append ',hold=H' to any method to "
                             "set the engine's admission_hold (0: admit at once), ',prefill=F' to set its "
                             "PrefillCost fixed_tokens (1e9: each admission in one padded forward)")

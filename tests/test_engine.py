@@ -6,7 +6,6 @@ sampled outputs must follow the exactly enumerated target distribution per reque
 parameters per request in the same batch.
 """
 
-import itertools
 import math
 import statistics
 
@@ -677,13 +676,13 @@ def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
 
     monkeypatch.setattr(engine, "_stale_confidences", decided)
     assert engine._drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
-    assert engine._ruled_out  # nor is the cost model checked on that step (it decided nothing)
+    assert engine._gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
     with pytest.raises(AssertionError, match="the drafting decision ran"):
         engine._drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
-    assert not engine._ruled_out
+    assert not engine._gate_ruled_out
 
 
-def test_steps_the_ruled_out_do_not_check_the_cost_model(tiny_targets, trained_drafters):
+def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trained_drafters):
     """The cost model's factor (``model_factor``) learns from the steps it decided. A step whose drafting the
     realized gate ruled out before asking the model is not one of them (and pricing it would re-price the SPS
     table every step); a plain step the model chose is."""
@@ -877,120 +876,6 @@ def test_batch_progress_counts_what_the_batch_as_a_whole_advanced():
     assert batch_progress([30, 3], [1, 1]) == 2  # a row ended by EOS (or length) counts as having advanced
     with pytest.raises(ValueError, match="one emitted count per row"):
         batch_progress([3, 3], [1])
-
-
-def test_expected_batch_progress_is_the_mean_of_batch_progress():
-    """Hand-computed cases, and the mean of ``batch_progress`` over every combination of accepted counts."""
-    from hf_dspark.engine import batch_progress, expected_batch_progress
-
-    survival = torch.tensor([[0.5, 0.25], [0.8, 0.4]])  # P(row r accepts at least k + 1 drafts)
-    assert expected_batch_progress(survival, [10, 10]) == pytest.approx(2 * (1 + 0.5 * 0.8 + 0.25 * 0.4))
-    assert expected_batch_progress(survival, [10, 9]) == pytest.approx(2 * (1 + 0.5 + 0.25 * 0.8))
-    assert expected_batch_progress(survival, [10, 8]) == pytest.approx(2 * (1 + 0.5 + 0.25))  # row 1 far enough ahead
-    assert expected_batch_progress(survival[:1], [5]) == pytest.approx(1 + 0.5 + 0.25)  # one request: its tokens
-    assert expected_batch_progress(torch.zeros(3, 4), [5, 2, 7]) == pytest.approx(3)  # no drafts: the rows
-    with pytest.raises(ValueError, match="one remaining count per row"):
-        expected_batch_progress(survival, [3])
-
-    generator = torch.Generator().manual_seed(0)
-    survival = torch.cumprod(torch.rand(3, 3, generator=generator), dim=1)
-    remaining = [6, 4, 5]
-    # every combination of accepted counts, row r accepting exactly a drafts with P(>= a) - P(>= a + 1)
-    at_least = torch.cat([torch.ones(3, 1), survival, torch.zeros(3, 1)], dim=1)
-    exact = sum(math.prod(float(at_least[r, a] - at_least[r, a + 1]) for r, a in enumerate(accepted))
-                * batch_progress(remaining, [1 + a for a in accepted])
-                for accepted in itertools.product(range(4), repeat=3))
-    assert expected_batch_progress(survival, remaining) == pytest.approx(exact, rel=1e-6)
-
-
-# Four rows in step at a batch size where a width of 2 costs 100/70 of plain (certain drafts would pay), with the
-# rows judged by a confidence prior of 0.5: the scheduler admits one draft per row. The drafter, timed at 1 and 2 ms
-# for 1 and 2 rows, is priced at 4 ms for 4: 6 tokens emitted against 4 in 18.3 ms, 328 tok/s against plain's 400,
-# but all four rows advance by 2 only with probability 0.5^4: an expected batch progress of 4.25 tokens, 232 tok/s.
-VETO_SPS = BatchedStepsPerSecond({4: StepsPerSecond([4, 8, 12, 32], [100.0, 70.0, 55.0, 20.0])})
-
-
-def test_cost_model_vetoes_measuring_drafting_it_predicts_far_behind():
-    """At a batch size where no step has drafted, the realized gate would let drafting run to measure it; the cost
-    model, counting the batch's progress as the gate will, vetoes that (probes too) when it predicts drafting below
-    ``EXPLORE_VETO_MARGIN`` of plain's rate, and the veto stands ``explore_interval`` steps before it looks again.
-    Counting emitted tokens, once a step has drafted there, with no drafter timing to price it, or with the veto
-    off (``explore_veto=0``), drafting is measured as before."""
-    from hf_dspark.engine.batching import EXPLORE_VETO_MARGIN
-
-    target = make_target("llama")
-    drafter = make_drafter(target)
-
-    def engine_at_four(gate_tokens="progress", timed=True, drafted=False, veto=EXPLORE_VETO_MARGIN):
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=VETO_SPS, gate_tokens=gate_tokens,
-                              explore_interval=5, explore_veto=veto)
-        engine._rows = [_fake_request(i) for i in range(4)]  # 13 tokens left each
-        for request in engine._rows:
-            request.last_confidences = request.smoothed_confidences = [0.5] * engine.block_size
-            request.idle_steps = request.probe_wait  # probes are due: vetoed all the same
-        if timed:
-            engine.measurements.record_draft(1, 1e-3)
-            engine.measurements.record_draft(2, 2e-3)
-        if drafted:
-            engine.measurements.record_step(4, True, 4, 0.1)
-        return engine
-
-    caps = [3] * 4
-    vetoed = engine_at_four()
-    assert 232 < EXPLORE_VETO_MARGIN * 400 < 328  # the numbers above
-    assert vetoed._drafting_rows(caps, None, representative=True) == []
-    assert vetoed.stats.skips == {"model": 1} and vetoed._vetoed_until == {4: 5} and not vetoed._ruled_out
-    vetoed._exploration_vetoed = None  # the veto stands: not re-examined (nor the cost model checked) for 5 steps
-    assert vetoed._drafting_rows(caps, None, representative=True) == [] and vetoed._ruled_out
-    assert vetoed.stats.skips == {"model": 2}
-    for engine in (engine_at_four("emitted"), engine_at_four(drafted=True), engine_at_four(timed=False),
-                   engine_at_four(veto=0)):
-        assert engine._drafting_rows(caps, None, representative=True) == [0, 1, 2, 3]
-        assert "model" not in engine.stats.skips
-    for bad in (-0.5, math.inf, math.nan):
-        with pytest.raises(ValueError, match="explore_veto must be"):
-            engine_at_four(veto=bad)
-
-
-def test_draft_cost_estimate_extrapolates_from_smaller_batches():
-    """Timed: its own cost; not timed: the line through the two largest smaller buckets timed, never below the
-    larger (one smaller bucket: its cost); nothing timed at or below: None."""
-    from hf_dspark.engine import EngineMeasurements
-
-    measurements = EngineMeasurements()
-    assert measurements.draft_cost_estimate(4) is None
-    measurements.draft_cost = {2: 0.011}
-    assert measurements.draft_cost_estimate(1) is None and measurements.draft_cost_estimate(8) == 0.011
-    measurements.draft_cost = {1: 0.009, 2: 0.011}
-    assert measurements.draft_cost_estimate(2) == 0.011
-    assert measurements.draft_cost_estimate(16) == pytest.approx(0.011 + 14 * 0.002)
-    measurements.draft_cost = {1: 0.009, 2: 0.011, 4: 0.010}  # a noisy timing: no cheaper than the largest timed
-    assert measurements.draft_cost_estimate(16) == 0.010
-
-
-def test_vetoed_exploration_decodes_plain_and_exactly(tiny_targets, trained_drafters):
-    """An engine whose measurements carry a confidence prior and a drafter timing (what a server learned at smaller
-    batches) serves four requests in step at ``VETO_SPS``: counting the batch's progress it never drafts there, and
-    its outputs equal plain greedy; counting emitted tokens it drafts to measure."""
-    from hf_dspark.engine import EngineMeasurements
-
-    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    prompts = in_distribution_prompts(target, 4)
-    drafting = {}
-    for gate_tokens in ("progress", "emitted"):
-        measurements = EngineMeasurements()
-        measurements.record_confidences([0.5] * drafter.config.block_size, 1)
-        measurements.record_draft(1, 1e-3)
-        measurements.record_draft(2, 2e-3)
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=VETO_SPS, gate_tokens=gate_tokens,
-                              measurements=measurements)
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
-        engine.run()
-        for request_id, prompt in zip(ids, prompts):
-            assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
-        drafting[gate_tokens] = (sum(engine.stats.drafting), engine.stats.skips.get("model", 0))
-    assert drafting["progress"][0] == 0 and drafting["progress"][1] > 0, drafting
-    assert drafting["emitted"][0] > 0 and drafting["emitted"][1] == 0, drafting
 
 
 @pytest.mark.parametrize("gate_tokens", ["progress", "emitted"])
@@ -2056,7 +1941,6 @@ def test_bench_method_specs():
                                                  "gate_tokens": "emitted"}
     assert parse_method("scheduled=prefix,emitted,ungated") == {"method": "scheduled", "schedule": "prefix",
                                                                 "gate_tokens": "emitted", "realized_gate": False}
-    assert parse_method("scheduled,unvetoed") == {"method": "scheduled", "schedule": "padded", "explore_veto": 0.0}
     assert parse_method("plain,hold=0") == {"method": "plain", "admission_hold": 0.0}
     assert parse_method("fixed=3,hold=1") == {"method": "fixed", "num_verify_tokens": 3, "admission_hold": 1.0}
     assert parse_method("scheduled=prefix,ungated,hold=0.25") == {
@@ -2066,7 +1950,7 @@ def test_bench_method_specs():
     assert parse_method("plain,prefill=1e9,hold=0") == {"method": "plain", "admission_hold": 0.0,
                                                          "prefill_cost": PrefillCost(fixed_tokens=1e9)}
     for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy", "plain,hold=-1", "plain,hold=x",
-                "plain,hold", "plain,ungated", "fixed,ungated", "plain,emitted", "plain,unvetoed", "plain,prefill=-1",
+                "plain,hold", "plain,ungated", "fixed,ungated", "plain,emitted", "plain,prefill=-1",
                 "plain,prefill=inf"):
         with pytest.raises(ValueError, match=repr(bad)):
             parse_method(bad)

@@ -15,7 +15,6 @@ from .batching import (
     SamplingParams,
     TokenEvent,
     batch_progress,
-    expected_batch_progress,
     capped_confidences,
     generate_batch,
     greedy_verify,

@@ -90,19 +90,6 @@ ADMISSION_HOLD = 1.0
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
-# The realized gate measures drafting at a batch size by drafting there, and in a batch that first measurement costs
-# 3-5% of a run (its extra tokens make requests finish apart: held slots, extra prefill forwards; bench-serve at 16
-# requests, bf16, 32 new tokens: the first run read 0.950-0.968 of plain in sessions 29-30, the later ones 0.99-1.0).
-# Where the cost model, counting a step's output as the gate will, predicts drafting below this fraction of plain
-# decoding's rate, the engine does not pay to measure it (``DSparkEngine._exploration_vetoed``). A closer call is left
-# to the gate: for rows in step the model counts only what all of them gain, and once drafting runs they fall out of
-# step, where their extra tokens count. SmolLM2 with the embedded drafter (bf16, 2 threads; the confidence prior,
-# drafter timings and model factors of the session-31 sweep's engine, cut to what a server that had served up to 2 / 4
-# requests would hold): 4 rows in step 0.80 of plain's rate, where drafting then won (1.11x plain at 4 requests,
-# ``reports/bench-serve-smollm2-bf16-epyc-s31-sweep.json``); 8 rows 0.68 / 0.70, 16 rows 0.65 / 0.67, 64 rows
-# 0.63 / 0.67, where it lost.
-EXPLORE_VETO_MARGIN = 0.75
-
 METHODS = ("plain", "fixed", "scheduled")
 SCHEDULES = ("padded", "prefix", "topk")
 GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
@@ -796,12 +783,6 @@ class DSparkEngine:
             only make the others wait. A plain step counts its rows either way, one request what it emitted; where
             rows are out of step it is a lower bound. ``"emitted"``: the tokens the step emitted. The count is kept
             with the measurements (``EngineMeasurements.gate_tokens``): windows counted the other way are refused.
-        explore_veto: under ``realized_gate``, at a batch size where no step has drafted yet (so the gate would let
-            drafting run, to measure it), nothing drafts while the cost model predicts drafting below this fraction
-            of plain decoding's rate, the step's output counted as the gate counts it and the drafter priced at its
-            cost for those rows or, not timed there yet, extrapolated from smaller batches (``EXPLORE_VETO_MARGIN``,
-            0.75: a first measurement costs a batch 3-5% of a run; 0 turns the veto off). Needs a confidence for
-            every row (``confidence_prior``) and a drafter timing. A veto stands ``explore_interval`` steps.
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
         clock: the time source of each request's timestamps (arrival, start, first token, finish: its
             ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
@@ -816,8 +797,7 @@ class DSparkEngine:
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress",
-                 explore_veto: float = EXPLORE_VETO_MARGIN, seed: int = 0,
+                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress", seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -889,14 +869,8 @@ class DSparkEngine:
             self.measurements.bind_gate_tokens(gate_tokens)
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
-        # this step's drafting was ruled out before the cost model was asked: by the realized gate, or by the model's
-        # standing veto on measuring it (``_exploration_vetoed``)
-        self._ruled_out = False
-        self._vetoed_until: dict[int, int] = {}  # batch size -> step before which the cost model's veto holds
+        self._gate_ruled_out = False  # this step's drafting was ruled out by the realized gate alone
         self.gate_tokens = gate_tokens
-        if not math.isfinite(explore_veto) or explore_veto < 0:
-            raise ValueError(f"explore_veto must be a finite fraction >= 0 of plain decoding's rate, got {explore_veto}")
-        self.explore_veto = explore_veto
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_cost = PrefillCost() if prefill_cost is None else prefill_cost
@@ -1005,10 +979,9 @@ class DSparkEngine:
             drafts = self._draft(drafting)
             self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
         lengths = self._verification_lengths(caps, drafts, capacity)
-        # The cost model's prediction is checked below, on the steps it decided: not those ruled out before it was
-        # asked, by the realized gate or the model's standing veto (pricing a plain step re-prices the SPS table,
-        # 0.17 ms of a 45 ms step at 16 requests).
-        checked = self.method == "scheduled" and self.cost_aware and not self._ruled_out
+        # The cost model's prediction is checked below, on the steps it decided: not those the realized gate ruled out
+        # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests).
+        checked = self.method == "scheduled" and self.cost_aware and not self._gate_ruled_out
         # a plain step's model price, from the table the decision used (the verify below reprices it)
         plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
         self.stats.cache_widths.append(self._cache.width)
@@ -1359,13 +1332,11 @@ class DSparkEngine:
         """Rows that draft this step. Under the scheduler, a request whose earlier confidences predict a zero budget
         skips drafting (its draft could not be verified) until its next probe; and with ``cost_aware`` the requests
         predicted to verify drafts skip drafting too when the predicted gain does not cover the drafter's measured
-        cost (until one of them is due for a probe, which also refreshes the cost). Under ``realized_gate``, at a
-        batch size where no step has drafted yet, nothing drafts (probes neither) while the cost model predicts that
-        measuring drafting there would find it far behind plain decoding (``_exploration_vetoed``). The decision uses no
+        cost (until one of them is due for a probe, which also refreshes the cost). The decision uses no
         information from this step's drafts, so it cannot bias the output. ``representative``: this step's
         ``_representative()`` (``step`` computes it once for the gate and its own records; here when not given)."""
         self._prediction = None
-        self._ruled_out = False
+        self._gate_ruled_out = False
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
@@ -1379,19 +1350,14 @@ class DSparkEngine:
             # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
             # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
             # about a millisecond, 1-2% of a plain step at 16 requests.
-            self._ruled_out = True
+            self._gate_ruled_out = True
             return self._skip("gate")
-        if self._vetoed_until.get(len(caps), 0) > self.stats.steps:
-            self._ruled_out = True  # the cost model's veto on measuring drafting here stands until re-examined
-            return self._skip("model")
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
             return self._skip("cannot_pay")  # not even certain drafts would be verified at this batch size
         stale, known = self._stale_confidences(smoothed=True)
         predicted = schedule_batch(stale, cap_tensor, table, self.schedule, capacity)
-        if self._exploration_vetoed(stale, known, predicted, table, len(candidates)):
-            return self._skip("model")
         lengths = predicted.tolist()
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
         due = [i for i in candidates  # new requests, and probes of requests skipped for a while
@@ -1445,57 +1411,21 @@ class DSparkEngine:
         cost = self.measurements.draft_cost.get(_bucket(rows))
         if cost is None:
             return True  # not measured yet: draft, and measure
-        survival = _admitted_survival(stale, predicted)
-        tokens = stale.shape[0] + float(survival.sum())
-        drafting, plain, seconds = self._modeled_rates(tokens, predicted, table, cost)
-        pays = drafting > plain
-        self._prediction = (tokens, seconds) if pays or keep_prediction else None
-        return pays
-
-    def _modeled_rates(self, tokens: float, predicted: torch.Tensor, table: torch.Tensor,
-                       cost: float) -> tuple[float, float, float]:
-        """The cost model's (drafting, plain) tokens per second for a step at ``len(predicted)`` rows verifying the
-        ``predicted`` lengths with a drafter forward of ``cost`` seconds, the drafting step delivering ``tokens``,
-        each scaled by its ``model_factor``; and the drafting step's modeled seconds."""
-        num_requests = predicted.shape[0]
+        num_requests = stale.shape[0]
+        survival = torch.cumprod(stale.float().clamp(0, 1), dim=-1)
+        admitted = torch.arange(stale.shape[1], device=stale.device) < predicted[:, None].to(stale.device)
+        gain = float((survival * admitted).sum())
         longest = int(predicted.max())
         batch = num_requests * (1 + longest) if self.schedule == "padded" else num_requests + int(predicted.sum())
         batch = min(batch, table.shape[0] - 1)
         seconds = 1.0 / float(table[batch]) + cost
         bucket = _bucket(num_requests)
         # What each side's recent steps delivered over what this model predicted for them (1 until checked)
-        drafting = tokens / seconds * self.measurements.model_factor(bucket, True)
+        drafting = (num_requests + gain) / seconds * self.measurements.model_factor(bucket, True)
         plain = num_requests * float(table[num_requests]) * self.measurements.model_factor(bucket, False)
-        return drafting, plain, seconds
-
-    def _exploration_vetoed(self, stale: torch.Tensor, known: list[bool], predicted: torch.Tensor,
-                            table: torch.Tensor, candidates: int) -> bool:
-        """``realized_gate`` at a batch size where no step has drafted yet: whether the cost model predicts drafting
-        there so far behind plain decoding (below ``explore_veto`` of its rate) that measuring it is not worth
-        what a measurement costs a batch. It counts the step's output as the gate will (``gate_tokens``: for the
-        batch's progress, ``expected_batch_progress`` of the rows' predicted survivals; at 16 requests in step, drafts
-        accepted by some rows and not by the one furthest from done are worth nothing), and prices the drafter at its
-        measured cost for ``candidates`` rows or, not timed there yet, extrapolated from smaller batches
-        (``EngineMeasurements.draft_cost_estimate``). With no such timing, or a request with no confidences to judge
-        it by (no draft seen yet, ``confidence_prior``), drafting is measured as before. A veto holds for ``explore_interval`` steps at
-        that batch size, then the model looks again (the rows' state moves: out of step, their remaining tokens
-        shift the expected progress). The decision reads past steps only: lossless."""
-        rows = stale.shape[0]
-        if not self.realized_gate or not self.explore_veto or self.measurements.has_drafted(rows) or not all(known):
-            return False
-        cost = self.measurements.draft_cost_estimate(_bucket(candidates))
-        if cost is None:
-            return False
-        survival = _admitted_survival(stale, predicted)
-        if self.gate_tokens == "progress":
-            tokens = expected_batch_progress(survival, [request.remaining for request in self._rows])
-        else:
-            tokens = rows + float(survival.sum())
-        drafting, plain, _ = self._modeled_rates(tokens, predicted, table, cost)
-        if drafting >= self.explore_veto * plain:
-            return False
-        self._vetoed_until[rows] = self.stats.steps + self.explore_interval
-        return True
+        pays = drafting > plain
+        self._prediction = (num_requests + gain, seconds) if pays or keep_prediction else None
+        return pays
 
     def _draft(self, rows: list[int]) -> _Drafts:
         """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
@@ -1604,31 +1534,6 @@ def batch_progress(remaining: Sequence[int], emitted: Sequence[int]) -> int:
     if len(remaining) != len(emitted) or not remaining:
         raise ValueError(f"batch_progress needs one emitted count per row, got {len(remaining)} and {len(emitted)}")
     return len(remaining) * (max(remaining) - max(left - new for left, new in zip(remaining, emitted)))
-
-
-def expected_batch_progress(survival: torch.Tensor, remaining: Sequence[int]) -> float:
-    """``batch_progress``'s expectation for a step whose rows accept drafts independently: ``survival[r, k]`` is the
-    probability that row r accepts at least k + 1 drafts (zero past what it verifies), ``remaining`` each row's new
-    tokens left before the step. The step lowers the most tokens any row has left, M, by at least d exactly when
-    every row r advances (1 + accepted) by at least ``remaining[r] - M + d``; the expectation sums those
-    probabilities over d = 1 .. g + 1. Without drafts it is the rows; for one request, 1 + its survivals' sum."""
-    rows, width = survival.shape
-    if len(remaining) != rows or not rows:
-        raise ValueError(f"expected_batch_progress needs one remaining count per row, got {len(remaining)} for "
-                         f"{rows} rows")
-    left = torch.tensor(remaining, dtype=torch.long)
-    need = left[:, None] - int(left.max()) + torch.arange(1, width + 2)  # [R, g + 1] advance needed for d = 1..g+1
-    # P(advance >= n) for n = 0 .. g + 1: a row always advances by one
-    at_least = torch.cat([torch.ones(rows, 2), survival.detach().float().cpu().clamp(0, 1)], dim=1)
-    return rows * float(at_least.gather(1, need.clamp(min=0)).prod(dim=0).sum())
-
-
-def _admitted_survival(confidences: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Prefix survivals of ``confidences`` [R, g] within each row's verification length ``lengths`` [R], zero past it:
-    the probability that row r accepts at least k + 1 of its drafts."""
-    survival = torch.cumprod(confidences.float().clamp(0, 1), dim=-1)
-    admitted = torch.arange(confidences.shape[1], device=confidences.device) < lengths[:, None].to(confidences.device)
-    return survival * admitted
 
 
 def nondecreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -1781,7 +1686,6 @@ __all__ = [
     "SamplingParams",
     "TokenEvent",
     "batch_progress",
-    "expected_batch_progress",
     "capped_confidences",
     "generate_batch",
     "greedy_verify",

@@ -104,9 +104,8 @@ def _pretouch_heap(libc, size: int, chunk: int) -> None:
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
     keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
-    the engine's realized gate off, to measure what it brings, ``scheduled=...,emitted`` has its realized gate
-    count the tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress, and
-    ``scheduled=...,unvetoed`` turns the cost model's veto on measuring drafting off (``explore_veto=0``). Any method takes
+    the engine's realized gate off, to measure what it brings, and ``scheduled=...,emitted`` has its realized gate
+    count the tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any method takes
     ``,hold=H`` (e.g. ``plain,hold=0``, ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure
     what holding admissions brings; and ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded
     forward): a ``PrefillCost`` with ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards
@@ -138,17 +137,16 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
     if name == "scheduled":
         options = ([value] if value else []) + rest
-        flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted"),
-                 "unvetoed": ("explore_veto", 0.0)}
+        flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            form = "scheduled[=SCHEDULE][,ungated][,emitted][,unvetoed][,hold=H][,prefill=F]"
+            form = "scheduled[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
             raise ValueError(f"method {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
         out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
     raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated]"
-                     f"[,emitted][,unvetoed], each with optional ,hold=H and ,prefill=F")
+                     f"[,emitted], each with optional ,hold=H and ,prefill=F")
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:

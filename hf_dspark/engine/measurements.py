@@ -162,29 +162,6 @@ class EngineMeasurements(RealizedGate):
         weight = len(window) / (len(window) + MODEL_PRIOR_STEPS)
         return math.exp(weight * math.log(max(realized, 1e-9) / predicted))
 
-    def draft_cost_estimate(self, bucket: int) -> float | None:
-        """The drafter's seconds per forward at ``bucket`` drafting rows: timed there, else extrapolated along the line
-        through the two largest smaller buckets timed (never below the larger: more rows cost no less), else the one
-        smaller bucket timed; None before any timing at or below it. The line from small batches, where a forward is
-        mostly fixed costs, tends to under-price large ones: at 1 and 2 rows SmolLM2's embedded drafter took 9.3 and
-        11.0 ms (bf16, 2 threads), which puts 16 rows at 35 ms."""
-        if bucket in self.draft_cost:
-            return self.draft_cost[bucket]
-        timed = sorted(b for b in self.draft_cost if b < bucket)
-        if not timed:
-            return None
-        top = self.draft_cost[timed[-1]]
-        if len(timed) == 1:
-            return top
-        below = timed[-2]
-        slope = (top - self.draft_cost[below]) / (timed[-1] - below)
-        return max(top, top + slope * (bucket - timed[-1]))
-
-    def has_drafted(self, rows: int) -> bool:
-        """Whether a step at ``rows`` requests has drafted and entered the realized gate's windows (here or in the
-        measurements this was loaded from)."""
-        return bool(self.realized.get((rows, True)))
-
     def timings(self, rows: int, width: int) -> int:
         """How many verify timings stand behind ``verify_cost[(rows, width)]``: those seen, up to the median's
         ``VERIFY_WINDOW`` (1 for a price set without a count; 0 when there is none)."""
