@@ -927,6 +927,7 @@ def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trai
     with pytest.raises(ValueError, match="gate_tokens"):
         DSparkEngine(target, drafter, gate_tokens="tokens")
 
+
 def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gate(tiny_targets, trained_drafters):
     """The step where every request takes its first step after the prompt neither drafts to measure drafting (nothing
     is measured yet) nor is recorded in the gate's windows; the next step drafts and is recorded. Exact outputs."""
