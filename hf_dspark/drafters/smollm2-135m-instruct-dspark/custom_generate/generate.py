@@ -197,6 +197,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         device = self.drafter.device
         return torch.cat([hidden_states[i][:, :new].to(device) for i in self.hidden_state_indices], dim=-1)
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens this generator drafts per round: the drafter's block (transformers >= 5.25 asks, to keep
+        that many recurrent states of caches that can roll back)."""
+        return self.block_size
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
