@@ -415,5 +415,6 @@ def test_embedded_drafters_ship_the_package_code(name):
     folder = package / "drafters" / name
     for shipped, source in (("modeling_dspark.py", "modeling_dspark.py"),
                             ("configuration_dspark.py", "configuration_dspark.py"),
-                            ("custom_generate/scheduling.py", "scheduling.py")):
+                            ("custom_generate/scheduling.py", "scheduling.py"),
+                            ("custom_generate/generate.py", "generation.py")):
         assert (folder / shipped).read_bytes() == (package / source).read_bytes(), f"{name}/{shipped} is stale"

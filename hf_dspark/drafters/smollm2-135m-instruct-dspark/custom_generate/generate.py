@@ -11,7 +11,9 @@ Two routes reach the same generator:
     ``generate`` below, which installs the same dispatch on that one model for the duration of the call.
 
 Verification itself (greedy matching or rejection sampling, EOS / max-length cropping, cache cropping, streamers,
-``return_dict_in_generate``) is transformers' own ``_assisted_decoding``; this module only proposes candidates.
+``return_dict_in_generate``) is transformers' own ``_assisted_decoding``; this module proposes candidates, and crops a
+committed round where any stopping criterion fires inside it (transformers checks the criteria only at the end of a
+round, so a stop string completed by an accepted draft would otherwise run on past it).
 
 This file is self-contained (torch + transformers + ``scheduling``), because exported folders carry it.
 """
@@ -19,14 +21,17 @@ This file is self-contained (torch + transformers + ``scheduling``), because exp
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
@@ -158,7 +163,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drafter.attach_target(target)
         self.drafter = drafter
         self.block_size = drafter.config.block_size
+        self.generation_config = generation_config
         self.max_length = generation_config.max_length
+        self.stopping_criteria = in_round_stopping_criteria(_current_stopping_criteria())
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor
         self.hidden_state_indices = drafter.target_hidden_states_indices()
@@ -256,10 +263,25 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if verify == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
+        self._crop_at_stop(candidates, input_ids.shape[1])
         # softmax(draft_logits) is the distribution each draft token was actually sampled from (q).
         return candidates, draft.draft_logits[:, :verify]
 
+    def _crop_at_stop(self, candidates: torch.LongTensor, length: int) -> None:
+        """Make the assisted loop end this round where a stopping criterion first fires inside the drafts.
+
+        ``first_stop`` is the first draft position whose prefix satisfies a criterion. The round commits that prefix
+        only if the target accepts every draft up to it, and then the output must end there, as plain decoding's
+        would; so the loop's own length-budget crop is pointed at it for this round (``max_length`` is restored when
+        the round is recorded). Verification is untouched: the same drafts are verified with the same q, and a round
+        whose acceptance stops before ``first_stop`` never sees the crop (its last token is checked by the loop).
+        """
+        stop = first_stop(self.stopping_criteria, candidates, length)
+        if stop is not None:
+            self.generation_config.max_length = min(self.max_length, length + stop)
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
         drafted, verified, confidences, confidence_logits, draft_ids = self._pending_round
@@ -277,6 +299,47 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 emitted_ids=input_ids[0, input_ids.shape[1] - accepted - 1:].tolist(),
                 confidences=confidences,
             ))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Stopping criteria inside a round
+# ------------------------------------------------------------------------------------------------------------------
+# generate() builds its stopping criteria (``_get_stopping_criteria``) before it builds the candidate generator, and
+# hands them to the decoding loop only; the dispatch records the list here (a weak reference: nothing outlives the
+# call) so the DSpark generator can check its drafts against the same criteria.
+_STOPPING_CRITERIA: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar(
+    "hf_dspark_stopping_criteria", default=None
+)
+
+
+def _current_stopping_criteria() -> StoppingCriteriaList | None:
+    ref = _STOPPING_CRITERIA.get()
+    return None if ref is None else ref()
+
+
+def in_round_stopping_criteria(criteria) -> StoppingCriteriaList | None:
+    """The criteria that can fire inside a committed round and that the assisted loop does not already crop at:
+    everything but the length limit and EOS (the loop crops at both itself). None when nothing is left."""
+    kept = [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    return StoppingCriteriaList(kept) if kept else None
+
+
+def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | None:
+    """The first draft position j (1-based) at which ``criteria`` fire on ``candidates[:, :length + j]``, or None.
+
+    ``candidates`` [1, length + k] is the sequence so far followed by k drafts. Criteria are called as the decoding
+    loop calls them (``scores=None`` unless scores are recorded; ours never are), once per prefix; the answers are
+    gathered on the device and read back once.
+    """
+    if criteria is None:
+        return None
+    drafts = candidates.shape[1] - length
+    if drafts <= 0:
+        return None
+    fired = torch.cat([criteria(candidates[:, : length + j], None).reshape(-1)[:1] for j in range(1, drafts + 1)])
+    if not bool(fired.any()):
+        return None
+    return int(fired.int().argmax()) + 1
 
 
 def realized_gate_for(drafter, target) -> RealizedGate:
@@ -356,8 +419,15 @@ def _dspark_get_candidate_generator(
     )
 
 
+def _dspark_get_stopping_criteria(self, *args, **kwargs):
+    criteria = _original(GenerationMixin, "_get_stopping_criteria")(self, *args, **kwargs)
+    _STOPPING_CRITERIA.set(weakref.ref(criteria))
+    return criteria
+
+
 _PATCHES = {
     "_get_candidate_generator": _dspark_get_candidate_generator,
+    "_get_stopping_criteria": _dspark_get_stopping_criteria,
     "_validate_generation_mode": _dspark_validate_generation_mode,
 }
 _ORIGINAL_PREFIX = "_hf_dspark_original"
@@ -405,7 +475,9 @@ __all__ = [
     "DSparkRound",
     "DSparkStats",
     "dspark_dispatch",
+    "first_stop",
     "generate",
+    "in_round_stopping_criteria",
     "install_generate_dispatch",
     "is_dspark_drafter",
     "realized_gate_for",
