@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 4 measurement: tokens/s of every verification-length policy (fixed 1..g, static thresholds, the prefix
-# scheduler) against plain generate(), per domain, in one interleaved run on SmolLM2-135M-Instruct + the embedded
-# (calibrated) drafter. Run it on a quiet machine: nothing else may use the CPU while it measures.
+# Tokens/s of every verification-length policy (fixed 1..g, static thresholds, the prefix scheduler) against plain
+# generate(), per domain, in one interleaved run on SmolLM2-135M-Instruct + the embedded (calibrated) drafter.
+# Run it on a quiet machine: nothing else may use the CPU while it measures.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HF=${HF:-.venv/bin/hf-dspark}

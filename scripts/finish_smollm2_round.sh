@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # After scripts/train_smollm2_round.sh (same ROUND, default v3): turn that round's drafters into a candidate for the
-# embedded pair and evaluate it
-# against the shipped one, as was done for the shipped drafter (reports/confidence-heldout-v5/README.md):
+# embedded pair and evaluate it against the shipped one, as the shipped DSpark drafter was made:
 #   1. fine-tune the DSpark confidence head alone, greedy labels, on the held-out regenerated sequences;
 #   2. recalibrate it (STS) on training prompts that are in no regenerated folder;
 #   3. package both drafters compactly (bf16, like the embedded ones) under runs/candidate-$ROUND/;

@@ -11,8 +11,8 @@
 #
 # A data folder may still be growing while its regeneration runs (commands in data/README.md); training pins the
 # shards finished when it starts. Afterwards (scripts/finish_smollm2_round.sh, same ROUND), as for the shipped
-# drafter: fine-tune the DSpark confidence head alone on the held-out data (reports/confidence-heldout-v5/README.md),
-# recalibrate, evaluate, package.
+# drafter: fine-tune the DSpark confidence head alone on the held-out data (a head fitted on the drafter's own
+# training sequences, where it is more accurate, is overconfident on new prompts), recalibrate, evaluate, package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${HF:-}" ]; then
@@ -28,7 +28,7 @@ case "$ROUND" in
 esac
 read -r -a DATA <<< "${DATA:-$DEFAULT_DATA}"
 FEATURES=${FEATURES:-data_cache/features-smollm2}
-STEPS=${STEPS:-1500}   # STEPS=600 EVAL_EVERY=200 fit one session: ~20 min of features on a fresh machine, 62 min of training (measured)
+STEPS=${STEPS:-1500}   # STEPS=600 EVAL_EVERY=200: ~20 min of features on a fresh machine, ~1 h of training on 2 cores
 COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size 4 --num-anchors 64
         --max-steps "$STEPS" --lr 5e-4 --save-every 50 --threads 1 --mixed-precision "${MP:-no}"
         --eval-data data/regen-smollm2-heldout --eval-every "${EVAL_EVERY:-250}" --eval-sequences 64)

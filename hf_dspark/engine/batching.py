@@ -337,10 +337,8 @@ class _ColumnAligned:
 class _GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose keys and values are views into buffers with spare columns: a step's new columns are
     written in place, where ``DynamicLayer.update`` concatenates (a fresh copy of the whole layer every step: for
-    SmolLM2, bf16, 2 threads, 16 rows x ~200 columns ~7 ms of an ~80 ms step, 64 rows 26 ms of ~250, 3-4x that while
-    fresh allocations page-fault; ``scripts/engine_cache_append.py --concatenation-only``). When
-    the engine replaces the tensors (rows leaving or joining, compaction) the next update copies them once into a
-    new buffer."""
+    SmolLM2, bf16, 2 threads, about a tenth of a decode step at 16 or 64 rows). When the engine replaces the tensors
+    (rows leaving or joining, compaction) the next update copies them once into a new buffer."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.keys.dim() != 4:

@@ -201,8 +201,8 @@ def pretouch_setting(dynamic_allocator: bool, pretouch_mib: int | None) -> int |
 
 def add_measurement_arguments(parser, *, num_prompts: int = 64, max_new_tokens: int = 32,
                               dtype: str = "bfloat16") -> None:
-    """The options the engine measurement scripts (``scripts/engine_*.py``) share: which prompts and how many, new
-    tokens per request, CPU threads and the dtype of SmolLM2 and the embedded drafter."""
+    """The options of an engine measurement script (``scripts/engine_prefill_batching.py``): which prompts and how
+    many, new tokens per request, CPU threads and the dtype of SmolLM2 and the embedded drafter."""
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--prompts", default="../shared/data/eval")
