@@ -63,30 +63,16 @@ from ..scheduling import EXPLORE_BUDGET, OnlineSurvivalCorrection, StepsPerSecon
 from .measurements import EngineMeasurements, measurement_key
 
 # Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch
-# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price whatever it carries: SmolLM2-135M, bf16,
-# 2 threads, 48 ms (``PrefillCost``, ``scripts/engine_prefill_batching.py --fit``), where a 16-row decode step takes
-# ~90 ms, or ~6 ms per row. A slot left empty for a step forgoes a row of a step, so one held admission pays for
-# itself while its idle slot-steps stay below about half the batch. But requests that joined apart finish apart, and
-# so do their successors: a hold that lets them join together again saves a fixed price at every later generation of
-# those slots, so the budget is a whole batch of slot-steps. Bench-serve at 16 requests, bf16, 32 new tokens
-# (``reports/bench-serve-smollm2-bf16-epyc-s21-hold.json``, 8 pairs): plain with 1 against 0.5, 1.039x (s.e. x/÷1.032),
-# 16 prefill forwards against 18; scheduled with 1, 0.983x plain where scheduled with 0.5 read 0.934x.
+# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price whatever it carries (``PrefillCost``), and
+# requests that join apart keep finishing apart, paying it again at every later generation of their slots, so the
+# budget is a whole batch of idle slot-steps. ``hf-dspark bench-serve --methods plain plain,hold=0`` measures it.
 ADMISSION_HOLD = 1.0
 
 # The engine's exploration budget (``DSparkEngine(explore_budget=)``) and the longest wait between re-measurements of
-# a losing drafting side (``max_explore_interval``). A re-measurement in a batch costs much more than the shortfall of
-# its two drafting steps (what ``RealizedGate.remeasure_loss`` prices): its extra tokens make requests finish apart, so
-# slots idle in admission holds or their successors join in extra prefill forwards. Bench-serve at 16 requests, bf16,
-# 32 new tokens, 8 alternating pairs (``reports/bench-serve-smollm2-bf16-epyc-s24-c16.json``, at the single-sequence
-# budget 0.005 and wait 256): the four runs that re-measured (2-5 drafting steps, 17-21 prefill forwards and 22-34
-# held slot-steps against 16 and 16) read 0.945, 0.936, 1.026 and 0.977 of their plain pairs, the four that did not
-# 1.010, 1.014, 0.958 and 1.025: about 3% of a 9 s run per re-measurement, some 7x the ~40 ms its two steps lose. So
-# the engine's budget is a fifth of ``EXPLORE_BUDGET``, and its wait may grow to 4096 steps. At 256, and then at 1024,
-# the cap, not the budget, timed the re-measurements: the first step of one also projects the context of every row
-# that decoded plain since (16 rows x 100-300 positions, 0.07-0.15 s here), so the budget waits ~3000 steps at 16
-# requests. With 1024, 20 lockstep pairs at 16 requests (``reports/bench-serve-smollm2-bf16-epyc-s28-c16-64.json``) had
-# 5 runs re-measuring after the learning run, reading 0.951-1.001 of plain (all 20: 0.990 x/÷1.003); with 4096
-# (``-s28-c16-cap4096.json``) one, 0.999 (all 20: 0.993 x/÷1.003).
+# a losing drafting side (``max_explore_interval``). In a batch a re-measurement costs several times the shortfall of
+# its own drafting steps (what ``RealizedGate.remeasure_loss`` prices): its extra tokens make requests finish apart
+# (idle held slots, extra prefill forwards), which its steps do not show. Hence a fifth of single-sequence
+# generation's budget, and a cap long enough that the budget, not the cap, times the re-measurements.
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
@@ -283,7 +269,7 @@ class _ColumnAligned:
 
         When ``rows`` keeps every surviving row of the first ``n = len(rows)`` in place and fills the others with rows
         from the tail (``tail_filled_order``), only those rows are copied and the tensors are narrowed to ``n`` (a
-        view): a request finishing in a batch of R no longer costs a gather of all R rows of every cache tensor."""
+        view): a request finishing in a batch of R does not cost a gather of all R rows of every cache tensor."""
         n = rows.numel()
         positions = torch.arange(n, device=rows.device)
         moved = rows != positions

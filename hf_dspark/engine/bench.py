@@ -39,22 +39,15 @@ def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = N
 
     By default glibc moves its mmap threshold up as large blocks are freed, so one engine's allocations change where
     the next engine's come from, and whether they pay fresh page faults. Two engines stepped side by side in one
-    process (``run_lockstep``) then read a few percent apart depending on which of them was created and stepped first:
-    SmolLM2 at 16 requests, the plain engine against the scheduled one with drafting ruled out read 0.96-0.97 with
-    plain first and 1.03-1.04 with plain second; pinned, 0.988-1.001 either way (``reports/logs/
-    engine-overhead-gate-s27.txt``). A server runs one engine, so neither order is its speed. Setting any of these
-    turns glibc's adjustment off.
+    process (``run_lockstep``) then read a few percent apart depending on which of them was created and stepped first
+    (on SmolLM2 at 16 requests, 0.96-0.97 one way and 1.03-1.04 the other; pinned, within 1% either way). A server
+    runs one engine, so neither order is its speed. Setting any of these turns glibc's adjustment off.
 
     Pinned, memory freed stays with the process, but each page is still first written (a page fault) by whichever
     engine first takes the process past its high-water mark, and engines stepped side by side hold their caches at
-    once. At 64 requests the scheduled engine also keeps its prompts' target features for the drafter (5 hidden states
-    of 576 bf16 values for each of the 6,575 padded prompt positions of the 64 eval prompts: 38 MB more than plain),
-    and in cold processes its first run faulted 75,000-127,000 pages while the plain one beside it faulted
-    4,000-220,000, depending on which went first and how much was pre-touched
-    (``reports/logs/engine-overhead-c64-pretouch-s28.txt``). ``pretouch`` takes those faults out of the engines' runs
-    (3 GiB: 7 pages faulted in the scheduled engine's first run, 860 in plain's). What they cost is below this
-    machine's noise in those runs (the pair's ratio moved 0.91-1.08 either way), so this removes a confounder, not a
-    measured bias; each run's count is in the bench report (``runs_counts``).
+    once (the scheduled engine also keeps its prompts' target features for the drafter). ``pretouch`` takes those
+    faults out of the engines' runs. It removes a confounder, not a measured bias; each run's count is in the bench
+    report (``runs_counts``).
 
     Returns what was done, or None where the C library is not glibc (nothing to pin; the benches run as they are).
     Raises ``RuntimeError`` if glibc refuses a value, ``ValueError`` for a ``pretouch`` glibc would trim again."""
@@ -289,14 +282,11 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     each request's tokens)}`` (``measured``: a scheduled method's shared ``EngineMeasurements``).
 
     An engine's step runs just after another's, and finds the caches and allocator as that one left them. With plain,
-    fixed and scheduled, fixed's extra tokens a step shift the turns so that scheduled follows fixed's wide steps
-    11-13 times of 17 and plain 4-6 (at 64 requests, every rotation), and scheduled read 0.976 of plain over 8 pairs
-    (``reports/bench-serve-smollm2-bf16-epyc-s28-c64-three.json``) against 1.009 over 20 pairs without fixed
-    (``-s28-c16-64.json``). Ties balanced by who followed whom evened that (0.990 over 8 pairs, ``-s28-c64-three-
-    balanced.json``) but made the scheduled engine's own steps alternate between warm and cold predecessors, noise
-    its realized gate apparently read as drafting winning: at 16 requests two runs drafted 45-48 steps and read
-    0.86-0.89 of plain (``-s28-balanced.json``). So the turns stay as they are; compare two methods for the
-    scheduled engine's own cost (``bench_serve(lockstep="pairs")`` runs every comparison that way)."""
+    fixed and scheduled, fixed's extra tokens shift the turns so that scheduled follows fixed's wide steps more often
+    than plain does, which moves their ratio by a few percent; balancing the turns instead makes the scheduled
+    engine's own steps alternate between warm and cold predecessors, noise its realized gate can read as drafting
+    winning. So the turns stay as they are; compare two methods at a time for the scheduled engine's own cost
+    (``bench_serve(lockstep="pairs")`` runs every comparison that way)."""
     from tqdm.auto import tqdm
 
     measured = measured or {}
