@@ -47,7 +47,7 @@ def export_reference_format(drafter: DSparkDrafter, folder: str | Path, dtype: t
 # --------------------------------------------------------------------------------------------------------------
 # Model cards
 # --------------------------------------------------------------------------------------------------------------
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "dspark_drafter.md.jinja"
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card.md.jinja"  # package data: works from a wheel
 
 
 def render_model_card(drafter: DSparkDrafter, *, name: str, repo_id: str, target_name: str, training_text: str,
