@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from .modeling_dspark import DSparkDrafter
+from .training.checkpoints import STATE, latest_checkpoint
 
 # Files a push owns: when the new folder lacks one (an uncalibrated drafter has no sts.json, weights changed from
 # sharded to single-file), the stale remote copy is deleted in the same commit. Other files in the repo are kept.
@@ -136,10 +137,11 @@ def training_text(run: str | Path) -> str:
     data (sampling settings, prompt sets), the budget and the final losses. Shard paths in the trainer state are
     resolved like the trainer saw them (relative to the folder training ran in)."""
     run = Path(run)
-    state_path, log_path = run / "checkpoint-last" / "trainer_state.json", run / "train_log.jsonl"
-    if not state_path.is_file() or not log_path.is_file():
-        raise FileNotFoundError(f"{run} is not a training run folder (needs checkpoint-last/trainer_state.json "
-                                "and train_log.jsonl)")
+    checkpoint, log_path = latest_checkpoint(run), run / "train_log.jsonl"
+    if checkpoint is None or not log_path.is_file():
+        raise FileNotFoundError(f"{run} is not a training run folder (needs a complete checkpoint-*/{STATE} and "
+                                "train_log.jsonl)")
+    state_path = checkpoint / STATE
     state = json.loads(state_path.read_text(encoding="utf-8"))
     args = state["args"]
     with open(log_path, encoding="utf-8") as f:
@@ -199,7 +201,7 @@ def _data_text(state: dict, state_path: Path) -> str:
 def _run_folder(drafter: Path) -> Path | None:
     """The training run folder a drafter folder came from (its parent, for ``<run>/drafter``), if it is at hand."""
     parent = drafter.parent if drafter.name == "drafter" else drafter
-    return parent if (parent / "checkpoint-last" / "trainer_state.json").is_file() else None
+    return parent if latest_checkpoint(parent) is not None else None
 
 
 def _warm_start_text(init: Path, own_final: str | None = None) -> str:
@@ -219,7 +221,7 @@ def _warm_start_text(init: Path, own_final: str | None = None) -> str:
         quoted = "\n".join(f"  {line}" if line.strip() else line for line in section.splitlines())
         return (f"- Initialised from the packaged drafter `{init}` as it stood when this run started, itself trained "
                 f"as follows:\n{quoted}")
-    state = json.loads((parent / "checkpoint-last" / "trainer_state.json").read_text(encoding="utf-8"))
+    state = json.loads((latest_checkpoint(parent) / STATE).read_text(encoding="utf-8"))
     args = state["args"]
     sequences = args["batch_size"] * args.get("gradient_accumulation_steps", 1)
     text = (f"- Initialised from an earlier drafter (`{init}`: {state['step']} steps x {sequences} sequences, "

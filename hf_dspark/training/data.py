@@ -6,8 +6,9 @@ Output: a folder of JSONL shards ``shard-00000.jsonl ...``; one line per (conver
 user turn, each after the model's previous answer.
 
 Resumable and idempotent: prompts are shuffled once (seeded) and cut into shards; a shard is written to a temp
-file and renamed when complete, so killing the job loses at most the shard in progress, and a restart skips every
-finished shard. ``manifest.json`` pins the settings; resuming with different settings is refused.
+file, put on disk and renamed when complete (``checkpoints.publish``), so killing the job loses at most the shard in
+progress, and a restart skips every finished shard and overwrites the temp file. ``manifest.json`` (written the same
+way) pins the settings; resuming with different settings is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..prompts import excluded_prompt_ids, load_prompts, sample_prompts
+from .checkpoints import publish, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
             raise ValueError(f"{output_dir} was started with a different set of excluded prompt ids (the folders or "
                              "files given to exclude have changed since); use a new folder")
     else:
-        manifest_path.write_text(json.dumps(manifest, indent=2))
+        write_atomic(manifest_path, json.dumps(manifest, indent=2))
     records = sample_prompts(records, settings.max_prompts, settings.sampling, settings.seed)
     shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
     done = {p.name for p in output_dir.glob("shard-*.jsonl")}
@@ -151,7 +152,7 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
         with open(tmp, "w", encoding="utf-8") as f:
             for line in lines:
                 f.write(json.dumps(line) + "\n")
-        os.replace(tmp, final)
+        publish(tmp, final)
         new_lines += len(lines)
         bar.update(len(shards[index]))
         rate = bar.n / max(bar.format_dict.get("elapsed", 1e-9), 1e-9)

@@ -3,7 +3,8 @@ hidden state for every token of the regenerated data, in fp16/bf16 safetensors s
 
 Training then reads features instead of running the target each epoch; target logits are recomputed from the final
 hidden state only at supervised block positions (storing full-vocabulary logits would be prohibitive).
-Resumable: a features shard is written to a temporary file and renamed; finished shards are skipped.
+Resumable: a features shard is written to a temporary file, put on disk and renamed (``checkpoints.publish``), so
+after a crash a features file is whole or absent; finished shards are skipped, a leftover temporary file is overwritten.
 
 A features file is named after its data shard's file name AND a digest of the shard's contents, so shards of several
 data folders (each has a ``shard-00000.jsonl``) share one features folder without colliding, and an edited shard is
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .checkpoints import publish, write_atomic
 from .trainer import load_sequences
 
 
@@ -79,9 +81,12 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
     meta_path = output_dir / "features.json"
     meta = {"target_layer_ids": list(target_layer_ids), "max_length": max_length, "dtype": str(dtype),
             "target": getattr(target.config, "_name_or_path", "")}
-    if meta_path.exists() and json.loads(meta_path.read_text()) != meta:
-        raise ValueError(f"{output_dir} holds features with other settings ({meta_path.read_text()}); use a new folder")
-    meta_path.write_text(json.dumps(meta, indent=2))
+    if meta_path.exists():
+        if json.loads(meta_path.read_text()) != meta:
+            raise ValueError(f"{output_dir} holds features with other settings ({meta_path.read_text()}); use a new "
+                             "folder")
+    else:
+        write_atomic(meta_path, json.dumps(meta, indent=2))
     indices = [i + 1 for i in target_layer_ids]
     last = target.config.get_text_config().num_hidden_layers
     written = 0
@@ -115,7 +120,7 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         tmp = final.with_suffix(".tmp")
         save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "offsets": offsets},
                   str(tmp), metadata={"shard": Path(shard).name, "shard_sha256_16": digest})
-        os.replace(tmp, final)
+        publish(tmp, final)
         written += 1
     return {"output_dir": str(output_dir), "written": written, "shards": len(shards)}
 

@@ -5,8 +5,10 @@ Runs the same code on one CPU or, through ``accelerate launch``, on several GPUs
 device placement, data-parallel gradients and mixed precision.
 
 Resume is exact: a checkpoint holds the drafter, optimizer, scheduler, every RNG state and the data position
-(epoch, batches consumed), written to a temporary folder and renamed, so ``kill -9`` at any moment leaves the
-previous checkpoint intact and the restarted run continues the same trajectory.
+(epoch, batches consumed). It is written to ``checkpoint-tmp``, marked complete once on disk, then swapped in as
+``checkpoint-last`` (``checkpoints.promote``); a restarted run continues from the newest complete checkpoint, so
+``kill -9`` at any moment loses at most the steps since the last save. The optimizer / scheduler / RNG file loads
+without unpickling objects (``torch.load(weights_only=True)``): a file holding anything else is refused.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
+import pickle
 import random
-import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,7 @@ import torch
 
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
+from .checkpoints import STATE, TMP, latest_checkpoint, mark_complete, promote, remove_checkpoint
 from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step, leading_matches
 
 logger = logging.getLogger(__name__)
@@ -245,7 +247,7 @@ class DSparkTrainer:
         )
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = self.output_dir / "checkpoint-last"
+        self.resume_dir = latest_checkpoint(self.output_dir)  # None: a new run
         state = self._read_state()
         if target is None:
             target, tokenizer = _load_target(args.target, args.target_dtype)
@@ -295,10 +297,9 @@ class DSparkTrainer:
 
     # -- construction ------------------------------------------------------------------------------------------
     def _read_state(self) -> dict | None:
-        path = self.checkpoint_dir / "trainer_state.json"
-        if not path.is_file():
+        if self.resume_dir is None:
             return None
-        state = json.loads(path.read_text())
+        state = json.loads((self.resume_dir / STATE).read_text())
         saved = state["args"]
         for key in ("sequential_head", "block_size", "num_hidden_layers", "markov_rank", "max_steps", "seed",
                     "batch_size", "gradient_accumulation_steps", "num_anchors", "confidence_target", "train_modules",
@@ -334,14 +335,14 @@ class DSparkTrainer:
         if not self.args.init_drafter:
             raise ValueError("--lora fine-tunes an existing drafter: pass --init-drafter")
         if state:
-            return PeftModel.from_pretrained(self.drafter, self.checkpoint_dir / "adapter", is_trainable=True)
+            return PeftModel.from_pretrained(self.drafter, self.resume_dir / "adapter", is_trainable=True)
         config = LoraConfig(r=self.args.lora_rank, lora_alpha=self.args.lora_alpha,
                             target_modules=self.args.lora_target_modules, lora_dropout=0.0, bias="none")
         return get_peft_model(self.drafter, config)
 
     def _build_drafter(self, state: dict | None) -> DSparkDrafter:
         if state and not self.args.lora:
-            return DSparkDrafter.from_pretrained(self.checkpoint_dir / "drafter", dtype=torch.float32)
+            return DSparkDrafter.from_pretrained(self.resume_dir / "drafter", dtype=torch.float32)
         if self.args.init_drafter:
             if self.args.init_layers_from_target is not None:
                 raise ValueError("init_layers_from_target starts a new drafter; it cannot be combined with "
@@ -388,9 +389,10 @@ class DSparkTrainer:
     def save_checkpoint(self) -> None:
         if not self.accelerator.is_main_process:
             return
-        tmp = self.output_dir / "checkpoint-tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        tmp = self.output_dir / TMP
+        if latest_checkpoint(self.output_dir) == tmp:
+            promote(self.output_dir)  # this run resumed from a checkpoint a crash left before its swap
+        remove_checkpoint(tmp)
         tmp.mkdir()
         if self.peft_model is not None:
             self.peft_model.save_pretrained(tmp / "adapter")
@@ -406,20 +408,16 @@ class DSparkTrainer:
         )
         state = {"args": asdict(self.args), "step": self.step, "epoch": self.epoch, "position": self.position,
                  "shards": self.shards, "elapsed_s": self._elapsed()}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-        old = self.output_dir / "checkpoint-old"
-        if self.checkpoint_dir.exists():
-            os.replace(self.checkpoint_dir, old)
-        os.replace(tmp, self.checkpoint_dir)
-        if old.exists():
-            shutil.rmtree(old)
+        (tmp / STATE).write_text(json.dumps(state, indent=2))
+        mark_complete(tmp, self.step)
+        promote(self.output_dir)
 
     def _elapsed(self) -> float:
         """Seconds of training so far, over every session of this run (the clock runs only inside train())."""
         return self.elapsed_before + (0.0 if self._started is None else time.time() - self._started)
 
     def _load_checkpoint(self, state: dict) -> None:
-        blob = torch.load(self.checkpoint_dir / "training_state.pt", weights_only=False)
+        blob = load_training_state(self.resume_dir / "training_state.pt")
         self.optimizer.load_state_dict(blob["optimizer"])
         self.scheduler.load_state_dict(blob["scheduler"])
         torch.set_rng_state(blob["rng"]["torch"])
@@ -625,6 +623,16 @@ class _LossModule(torch.nn.Module):
         return drafter_training_step(self.drafter, features, last_hidden, input_ids, loss_mask,
                                      num_anchors=self.num_anchors, gamma=self.gamma, weights=self.weights,
                                      generator=generator, confidence_target=self.confidence_target)
+
+
+def load_training_state(path: Path) -> dict:
+    """The optimizer, scheduler and RNG states of a checkpoint: tensors and plain values only. Loading them never runs
+    code a checkpoint carries (a run folder may come from someone else)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path} holds objects other than tensors and plain values: not a training state this "
+                         "trainer wrote, or an altered one; refusing to unpickle it") from err
 
 
 def _warmup_cosine(warmup: int, total: int):
