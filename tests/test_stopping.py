@@ -46,8 +46,8 @@ class Collect(BaseStreamer):
 
 
 def _greedy(target, prompt, criteria, **kwargs):
-    return target.generate(prompt, do_sample=False, max_new_tokens=40, stopping_criteria=StoppingCriteriaList(criteria),
-                           **kwargs)
+    kwargs.setdefault("max_new_tokens", 40)
+    return target.generate(prompt, do_sample=False, stopping_criteria=StoppingCriteriaList(criteria), **kwargs)
 
 
 def test_first_stop_finds_the_first_firing_prefix():
@@ -144,3 +144,36 @@ def test_sampling_ends_at_the_first_stop_of_its_own_tokens(tiny_targets, trained
         stats = drafter.last_stats
         assert 1 + sum(stats.accepted) + stats.rounds == out.shape[0] - prompt.shape[1]
     assert hits > 0
+
+
+@pytest.mark.parametrize("method", ["fixed", "scheduled"])
+def test_batched_engine_stops_where_generate_stops(tiny_targets, trained_drafters, method):
+    """Each request has its own criterion (a token pair from its plain continuation, or a custom length); they end
+    where plain generate() ends, with finish_reason "stop", while the rest of the batch runs on."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts, params, expected = [], [], []
+    for i, prompt in enumerate(random_prompts(48, 8, target.config.vocab_size, seed=1)[:6]):
+        free = target.generate(prompt, do_sample=False, max_new_tokens=30)[0, prompt.shape[1]:].tolist()
+        end = 5 + 3 * i
+        criterion = StopAtLength(prompt.shape[1] + end) if i % 2 else StopAfterSequence(free[end - 2:end])
+        ref = _greedy(target, prompt, [criterion], max_new_tokens=30)
+        prompts.append(prompt[0].tolist())
+        params.append(SamplingParams(max_new_tokens=30, stopping_criteria=[criterion]))
+        expected.append(ref[0, prompt.shape[1]:].tolist())
+    result = generate_batch(target, prompts, drafter, params, method=method)
+    for out, tokens in zip(result.outputs, expected):
+        assert out.token_ids == tokens
+        assert out.finish_reason == ("stop" if len(tokens) < 30 else "length")
+    assert {o.finish_reason for o in result.outputs} == {"stop"}
+
+
+def test_engine_stop_strings_need_a_tokenizer(tiny_targets):
+    from hf_dspark.engine import DSparkEngine, SamplingParams
+
+    engine = DSparkEngine(tiny_targets["llama"], method="plain")
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request([1, 2, 3], SamplingParams(stop_strings=["return"]))
+    with pytest.raises(ValueError, match="non-empty strings"):
+        SamplingParams(stop_strings=[""])

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from transformers import (
     DynamicCache,
     LogitsProcessorList,
+    StoppingCriteriaList,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -96,6 +98,10 @@ class SamplingParams:
     top-p warpers (in generate()'s order) to both the target's and the drafter's logits.
 
     ``eos_token_id`` None means the target's ``generation_config.eos_token_id``; ``[]`` disables EOS.
+    ``stop_strings`` end the request as transformers' ``StopStringCriteria`` does (the engine needs a ``tokenizer``);
+    ``stopping_criteria`` are transformers ``StoppingCriteria`` called on the prompt plus the tokens so far, as
+    ``generate()`` calls them. Either ends the request at the first token where it fires, inside a step's accepted
+    drafts too, with ``finish_reason="stop"``.
     """
 
     max_new_tokens: int = 128
@@ -104,6 +110,8 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     eos_token_id: int | tuple[int, ...] | list[int] | None = None
+    stop_strings: tuple[str, ...] | list[str] | str = ()
+    stopping_criteria: tuple[Any, ...] | list[Any] = ()
 
     def __post_init__(self):
         if int(self.max_new_tokens) < 1:
@@ -116,6 +124,14 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        stop_strings = (self.stop_strings,) if isinstance(self.stop_strings, str) else tuple(self.stop_strings)
+        if any(not isinstance(text, str) or not text for text in stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        object.__setattr__(self, "stop_strings", stop_strings)
+        criteria = tuple(self.stopping_criteria)
+        if any(not callable(criterion) for criterion in criteria):
+            raise ValueError("stopping_criteria must be callables (transformers StoppingCriteria)")
+        object.__setattr__(self, "stopping_criteria", criteria)
 
     @property
     def group_key(self) -> tuple:
@@ -516,7 +532,7 @@ class TokenEvent:
     request_id: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "eos" | "length" when finished
+    finish_reason: str | None = None  # "eos" | "stop" | "length" when finished
 
 
 @dataclass
@@ -632,6 +648,7 @@ class _Request:
     eos: frozenset[int]
     stats: DSparkStats
     arrival_s: float
+    stop: StoppingCriteriaList | None = None  # stop strings and custom criteria, called on prompt + tokens
     tokens: list[int] = field(default_factory=list)
     length: int = 0  # positions in the caches (prompt + emitted tokens, minus the anchor)
     start_s: float = 0.0
@@ -651,7 +668,8 @@ class _Request:
         return self.params.max_new_tokens - len(self.tokens)
 
     def emit(self, new_tokens: list[int]) -> list[int]:
-        """Append tokens, stopping at the first EOS or at max_new_tokens; returns what was appended."""
+        """Append tokens, stopping at the first EOS, stopping criterion or max_new_tokens; returns what was
+        appended."""
         kept = []
         for token in new_tokens:
             if self.remaining <= 0:
@@ -660,6 +678,9 @@ class _Request:
             self.tokens.append(token)
             if token in self.eos:
                 self.finish_reason = "eos"
+                return kept
+            if self.stop is not None and bool(self.stop(torch.tensor([self.prompt_ids + self.tokens]), None)[0]):
+                self.finish_reason = "stop"
                 return kept
         if self.remaining <= 0:
             self.finish_reason = "length"
@@ -782,7 +803,7 @@ class DSparkEngine:
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
                  measurements: EngineMeasurements | None = None, gate_tokens: str = "progress", seed: int = 0,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, tokenizer=None):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
@@ -864,6 +885,7 @@ class DSparkEngine:
         self._sps_tables: dict[int, torch.Tensor] = {}
         self._profiled_lists: dict[int, list[float]] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.tokenizer = tokenizer  # for requests with stop_strings
         default_eos = target.generation_config.eos_token_id
         self._default_eos = frozenset([] if default_eos is None else
                                       [default_eos] if isinstance(default_eos, int) else list(default_eos))
@@ -902,8 +924,18 @@ class DSparkEngine:
         eos = self._default_eos if params.eos_token_id is None else frozenset(
             [params.eos_token_id] if isinstance(params.eos_token_id, int) else params.eos_token_id)
         self._waiting.append(_Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
-                                      arrival_s=self._now(), probe_wait=self.probe_interval))
+                                      arrival_s=self._now(), stop=self._stopping_criteria(params),
+                                      probe_wait=self.probe_interval))
         return request_id
+
+    def _stopping_criteria(self, params: SamplingParams) -> StoppingCriteriaList | None:
+        criteria = list(params.stopping_criteria)
+        if params.stop_strings:
+            if self.tokenizer is None:
+                raise ValueError("a request with stop_strings needs the engine's tokenizer: DSparkEngine(..., "
+                                 "tokenizer=tokenizer)")
+            criteria.append(StopStringCriteria(self.tokenizer, list(params.stop_strings)))
+        return StoppingCriteriaList(criteria) if criteria else None
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._rows)
