@@ -1,6 +1,8 @@
 """``hf-dspark``: command-line entry point.
 
-Errors print as one line (``hf-dspark: error: ...``) unless ``--debug`` is given.
+Errors print as one line (``hf-dspark: error: ...``) unless ``--debug`` is given; the exit status is 2 for bad
+input (``UsageError``: empty prompt files or data folders, a missing local folder), like argparse's own usage
+errors, and 1 for a failure while running.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,6 +22,62 @@ from .prompts import SAMPLINGS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "
                 "or text files of prompt ids, one per line")
+
+
+class UsageError(Exception):
+    """Bad command-line input, found before any model loads: exit status 2."""
+
+
+# arguments naming a model folder or Hub repo id
+MODEL_ARGUMENTS = ("target", "drafter", "init_drafter", "ablation")
+
+
+def _looks_like_path(value: str) -> bool:
+    """A local path rather than a Hub repo id (``name`` or ``namespace/name``: at most one ``/``)."""
+    separators = tuple({"/", os.sep} | ({os.altsep} if os.altsep else set()))
+    return (value.startswith((".", "~", *separators)) or value.endswith(separators) or value.count("/") > 1
+            or any(sep in value for sep in separators if sep != "/"))
+
+
+def _model_path(value: str, name: str) -> str:
+    """A model argument as the loaders get it: a local path with ``~`` expanded, refused when it does not exist (the
+    Hub would only say that it is not a valid repo id); anything else unchanged."""
+    if not _looks_like_path(value):
+        return value
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        raise UsageError(f"--{name.replace('_', '-')}: no such folder: {value}")
+    return path
+
+
+def _check_model_paths(args) -> None:
+    for name in MODEL_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, list):
+            setattr(args, name, [_model_path(v, name) for v in value])
+        elif value is not None:
+            setattr(args, name, _model_path(value, name))
+
+
+def _require_prompts(paths: list[str], flag: str) -> None:
+    """Refuse prompt files / folders that hold no prompt."""
+    from .prompts import load_prompts
+
+    if not load_prompts(paths):
+        raise UsageError(f"{flag}: no prompts in {' '.join(paths)}")
+
+
+def _require_shards(folders: list[str], flag: str) -> None:
+    """Refuse regenerated-data folders that are missing or hold no finished shard."""
+    from .training.trainer import list_shards
+
+    missing = [folder for folder in folders if not Path(folder).is_dir()]
+    if missing:
+        raise UsageError(f"{flag}: no such folder: {missing[0]}")
+    try:
+        list_shards(folders)
+    except FileNotFoundError as err:
+        raise UsageError(f"{flag}: {err}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -98,6 +157,7 @@ def cmd_generate(args) -> int:
 def cmd_data(args) -> int:
     from .training.data import RegenerationSettings, regenerate
 
+    _require_prompts(args.prompts, "--prompts")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     settings = RegenerationSettings(
         prompt_paths=args.prompts, shard_size=args.shard_size, batch_size=args.batch_size,
@@ -114,6 +174,9 @@ def cmd_data(args) -> int:
 def cmd_train(args) -> int:
     from .training.trainer import DSparkTrainer, TrainingArguments
 
+    _require_shards(args.data, "--data")
+    if args.eval_data:
+        _require_shards(args.eval_data, "--eval-data")
     training_args = TrainingArguments(
         output_dir=args.output, data_dirs=args.data, target=args.target, init_drafter=args.init_drafter,
         features_dir=args.features, lora=args.lora, lora_rank=args.lora_rank,
@@ -138,6 +201,7 @@ def cmd_features(args) -> int:
     from .training.features import cache_features
     from .training.trainer import list_shards
 
+    _require_shards(args.data, "--data")
     target, _, _ = _setup_target(args, args.target_dtype)
     layer_ids = args.target_layer_ids or DSparkConfig.for_target(target.config).target_layer_ids
     summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
@@ -154,6 +218,7 @@ def cmd_bench(args) -> int:
     from .defaults import load_drafter_for
     from .evaluation import run_rollouts
 
+    _require_prompts(args.prompts, "--prompts")
     target, tokenizer, dtype = _setup_target(args)
     methods = {"plain": {"assistant": False}}
     specs = args.drafter or [None]
@@ -219,6 +284,7 @@ def cmd_calibrate(args) -> int:
     from .defaults import load_drafter_for
     from .prompts import excluded_prompt_ids, load_prompts, sample_prompts
 
+    _require_prompts(args.prompts, "--prompts")
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
     if drafter.confidence_head is None:
@@ -327,6 +393,7 @@ def cmd_eval(args) -> int:
     )
     if (args.num_shards is None) != (args.shard_index is None):
         raise ValueError("--num-shards and --shard-index go together")
+    _require_prompts(args.data, "--data")
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
     if args.ablation == "none":
@@ -400,6 +467,7 @@ def cmd_bench_serve(args) -> int:
         raise ValueError("--interleave serves every prompt on one long-lived engine per method; --cold-engines "
                          "starts every run from nothing")
     pretouch = pretouch_setting(args.dynamic_allocator, args.pretouch)
+    _require_prompts(args.prompts, "--prompts")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, tokenizer, dtype = _setup_target(args)
     target = target.to(device)
@@ -728,6 +796,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.debug else logging.WARNING, format="%(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        _check_model_paths(args)
         return args.func(args)
     except KeyboardInterrupt:
         print("hf-dspark: interrupted", file=sys.stderr)
@@ -736,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"hf-dspark: error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, UsageError) else 1
 
 
 if __name__ == "__main__":

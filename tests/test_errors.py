@@ -99,3 +99,63 @@ def test_other_assistants_untouched(tiny_targets):
     lookup = target.generate(prompt, max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=3)
     assistant = target.generate(prompt, max_new_tokens=10, do_sample=False, assistant_model=make_target("llama", seed=4))
     assert torch.equal(plain, lookup) and torch.equal(plain, assistant)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    """``hf-dspark argv``: its exit status and its one line of stderr."""
+    from hf_dspark.cli import main
+
+    status = main([str(a) for a in argv])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hf-dspark: error: "), lines
+    return status, lines[0]
+
+
+@pytest.mark.parametrize("command", ["bench", "eval", "data", "calibrate", "bench-serve"])
+def test_cli_refuses_prompt_files_without_prompts(tmp_path, capsys, command):
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "empty.jsonl").write_text("\n\n")
+    flag = "--data" if command == "eval" else "--prompts"
+    output = [] if command in ("bench", "bench-serve") else ["--output", tmp_path / "out"]
+    for prompts in (tmp_path / "prompts" / "empty.jsonl", tmp_path / "prompts"):
+        status, line = run_cli(capsys, command, flag, prompts, *output)
+        assert status == 2 and f"{flag}: no prompts in {prompts}" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "features"])
+def test_cli_refuses_data_folders_without_shards(tmp_path, capsys, command):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "shard-00000.tmp").write_text("{}\n")  # a shard a crash left unfinished
+    status, line = run_cli(capsys, command, "--data", tmp_path / "empty", "--output", tmp_path / "out")
+    assert status == 2 and "--data: no finished shards (shard-*.jsonl) in" in line
+    status, line = run_cli(capsys, command, "--data", tmp_path / "missing", "--output", tmp_path / "out")
+    assert status == 2 and f"--data: no such folder: {tmp_path / 'missing'}" in line
+
+
+def test_cli_refuses_an_empty_held_out_set(tiny_targets, tmp_path, capsys):
+    from tests.test_trainer import write_regenerated
+
+    write_regenerated(tmp_path / "data", tiny_targets["llama"], n=2)
+    (tmp_path / "heldout").mkdir()
+    status, line = run_cli(capsys, "train", "--data", tmp_path / "data", "--eval-data", tmp_path / "heldout",
+                           "--output", tmp_path / "out")
+    assert status == 2 and "--eval-data: no finished shards" in line
+
+
+@pytest.mark.parametrize("value", ["./no-drafter", "/no/such/drafter", "~/no-such-drafter", "runs/a/drafter",
+                                   "runs/"])
+def test_cli_says_a_missing_local_folder_is_missing(tmp_path, capsys, value):
+    """A value that can only be a local path names the missing folder instead of failing the Hub's repo-id check."""
+    for argv in (["generate", "--drafter", value], ["bench", "--prompts", "p.jsonl", "--drafter", value],
+                 ["generate", "--target", value], ["train", "--data", "d", "--output", "o", "--init-drafter", value]):
+        status, line = run_cli(capsys, *argv)
+        assert status == 2 and line.endswith(f"no such folder: {value}"), line
+        assert "--" + argv[-2].lstrip("-") + ": " in line
+
+
+def test_hub_repo_ids_are_not_local_paths():
+    from hf_dspark.cli import _looks_like_path
+
+    assert not any(map(_looks_like_path, ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "smollm2"]))
+    assert all(map(_looks_like_path, [".", "./d", "../d", "/d", "~/d", "a/b/c", "a/"]))
