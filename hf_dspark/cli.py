@@ -117,8 +117,9 @@ def cmd_generate(args) -> int:
     torch.manual_seed(args.seed)
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
-    # Default: the prefix scheduler where the drafter has a confidence head (the method's point), else whole blocks.
-    policy = args.policy or ("scheduler" if drafter.confidence_head is not None else "fixed")
+    # Default: the hybrid (drafter block or prompt lookup, whichever the cost model prices higher) where the drafter
+    # has a confidence head, else whole blocks.
+    policy = args.policy or ("hybrid" if drafter.confidence_head is not None else "fixed")
     drafter.generation_config.verification_policy = policy
     if args.threshold is not None:
         drafter.generation_config.confidence_threshold = args.threshold
@@ -241,7 +242,7 @@ def cmd_bench(args) -> int:
             methods[f"{label}:{policy}"] = settings
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
-    if any(m.get("verification_policy") == "scheduler" for m in methods.values()):
+    if any(m.get("verification_policy") in ("scheduler", "hybrid") for m in methods.values()):
         from .profiling import load_or_profile
 
         load_or_profile(target, max(m["drafter"].config.block_size for m in methods.values() if "drafter" in m) + 1)
@@ -525,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--policy", default=None,
-                     help="verification policy: fixed | threshold | scheduler | <registered> (default: scheduler "
+                     help="verification policy: hybrid | fixed | threshold | scheduler | <registered> (default: hybrid "
                           "for drafters with a confidence head, else fixed)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence threshold for --policy threshold")
     gen.add_argument("--seed", type=int, default=0)
@@ -617,7 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--target", default=None)
     bench.add_argument("--policies", nargs="+", default=["fixed"],
                        help="fixed | fixed=N | threshold=T | scheduler | scheduler=gated (the scheduler with its "
-                            "opt-in realized gate); one method each")
+                            "opt-in realized gate) | hybrid (drafter block or prompt lookup, priced per round); one "
+                            "method each (--prompt-lookup N adds transformers' own prompt lookup)")
     bench.add_argument("--prompt-lookup", type=int, default=0, help="also run prompt-lookup decoding with N tokens")
     bench.add_argument("--num-prompts", type=int, default=50, help="per prompt set")
     bench.add_argument("--max-new-tokens", type=int, default=256)

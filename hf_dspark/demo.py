@@ -23,9 +23,15 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from .generation import DSparkRound, DSparkStats
-from .scheduling import ConfidenceThresholdPolicy, FixedLengthPolicy, PrefixSchedulerPolicy, VerificationPolicy
+from .scheduling import (
+    ConfidenceThresholdPolicy,
+    FixedLengthPolicy,
+    HybridPolicy,
+    PrefixSchedulerPolicy,
+    VerificationPolicy,
+)
 
-POLICIES = ("fixed", "threshold", "scheduler")
+POLICIES = ("hybrid", "fixed", "threshold", "scheduler")
 UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
 ROUNDS_SHOWN = 64  # the draft panel keeps the latest rounds
 
@@ -35,6 +41,12 @@ TOKEN_STYLES = {
     "rejected": ("#f7c0c0", "#7a0c0c", "text-decoration:line-through;"),
     "unverified": ("#e4e4e7", "#71717a", ""),
     "bonus": ("#c3d9fb", "#0b3a7a", "font-weight:600;"),
+}
+# draft source -> (colour of the round's left border, label)
+SOURCE_STYLES = {
+    "block": ("#7c3aed", "drafter"),
+    "lookup": ("#d97706", "lookup"),
+    "none": ("#a1a1aa", "target alone"),
 }
 BOX_STYLE = ("display:inline-block;margin:1px;padding:1px 4px;border-radius:4px;text-align:center;"
              "font-family:monospace;white-space:pre;")
@@ -84,10 +96,12 @@ def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
     if len(record.emitted_ids) > record.accepted:
         spans.append(_token_span(decode(record.emitted_ids[-1]), "bonus", None))
     summary = f"{record.accepted}/{record.verified} accepted, +{len(record.emitted_ids)}"
+    source = SOURCE_STYLES.get(record.source, SOURCE_STYLES["block"])
     return (
-        f'<div class="dspark-round" data-round="{record.index}" style="margin:2px 0;">'
-        f'<span style="display:inline-block;width:11em;font-size:0.8em;opacity:0.75;">round {record.index + 1}: '
-        f"{summary}</span>{''.join(spans)}</div>"
+        f'<div class="dspark-round" data-round="{record.index}" data-source="{html.escape(record.source)}" '
+        f'style="margin:2px 0;border-left:4px solid {source[0]};padding-left:4px;">'
+        f'<span style="display:inline-block;width:11em;font-size:0.8em;opacity:0.75;">round {record.index + 1} '
+        f"({source[1]}): {summary}</span>{''.join(spans)}</div>"
     )
 
 
@@ -97,7 +111,12 @@ def legend_html() -> str:
         f"{html.escape(LEGEND[status])}</span></span>"
         for status, (background, colour, text_style) in TOKEN_STYLES.items()
     )
-    return boxes + '<span style="font-size:0.8em;opacity:0.75;"> &nbsp;numbers under drafts: confidence c_k</span>'
+    sources = "".join(
+        f'<span style="border-left:4px solid {colour};padding-left:4px;margin-left:6px;font-size:0.8em;">'
+        f"{html.escape(label)}</span>" for colour, label in SOURCE_STYLES.values()
+    )
+    return (boxes + '<span style="font-size:0.8em;opacity:0.75;"> &nbsp;numbers under drafts: confidence c_k; '
+            "round source:</span>" + sources)
 
 
 def rounds_panel_html(round_rows: list[str]) -> str:
@@ -151,9 +170,14 @@ class CappedPolicy(VerificationPolicy):
 
 def make_policy(name: str, num_verify: int, threshold: float, block_size: int, sps=None) -> VerificationPolicy:
     """The demo's policy: ``fixed`` verifies ``num_verify`` drafts; ``threshold`` and ``scheduler`` verify at most
-    ``num_verify`` (``sps``: the target's StepsPerSecond profile, needed by ``scheduler``)."""
+    ``num_verify``; ``hybrid`` chooses its source and length itself (``sps``: the target's StepsPerSecond profile,
+    needed by ``scheduler`` and ``hybrid``)."""
     if not 1 <= int(num_verify) <= block_size:
         raise ValueError(f"draft tokens to verify must be in 1..{block_size}, got {num_verify}")
+    if name == "hybrid":
+        if sps is None:
+            raise ValueError("the hybrid policy needs the target's SPS profile")
+        return HybridPolicy(sps)
     if name == "fixed":
         return FixedLengthPolicy(int(num_verify))
     if name == "threshold":
@@ -293,10 +317,10 @@ class DemoRunner:
         return self.tokenizer(prompt, return_tensors="pt")
 
     def policy(self, name: str, num_verify: int, threshold: float) -> VerificationPolicy:
-        if name in ("threshold", "scheduler") and not self.has_confidence:
+        if name in ("threshold", "scheduler", "hybrid") and not self.has_confidence:
             raise ValueError(f"the {name} policy needs a drafter with a confidence head; use fixed")
         sps = None
-        if name == "scheduler":
+        if name in ("scheduler", "hybrid"):
             from .profiling import load_or_profile  # measured once per device/dtype/threads, then cached
 
             sps = load_or_profile(self.target, self.block_size + 1, time_budget_s=self.sps_time_budget_s)
@@ -322,7 +346,7 @@ class DemoRunner:
         settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         with self.lock:
-            if policy_name == "scheduler":
+            if policy_name in ("scheduler", "hybrid"):
                 yield "", "", "", "", "", "measuring the target's speed profile SPS(B) for the scheduler (once, cached)"
             policy = self.policy(policy_name, num_verify, threshold)
             config = self.drafter.generation_config

@@ -40,6 +40,7 @@ class VerificationPolicy:
     name = "base"
     needs_confidences = False
     uses_realized_gate = False  # True: the candidate generator hands it a shared ``RealizedGate``
+    uses_lookup = False  # True: the candidate generator offers it prompt-lookup drafts (``choose_source``)
 
     @classmethod
     def from_generation_config(cls, generation_config: Any, block_size: int) -> "VerificationPolicy":
@@ -660,8 +661,9 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         this kind of text). The gate is shared by every ``generate()`` call with the same drafter and target
         (``set_realized_gate``), so short answers do not each pay to learn it again. It is off by default: on
         SmolLM2-135M (float32, 1 thread, 3 prompts x 256 tokens per eval set) it delivered 0.96x plain against the
-        ungated scheduler's 1.00x in the same run (``reports/bench-realized-gate-generate.json``): one sequence gives it
-        too few drafting rounds per verdict, and what it blocks includes the rounds that would have won."""
+        ungated scheduler's 1.00x in the same run (``hf-dspark bench --policies scheduler scheduler=gated``): one
+        sequence gives it too few drafting rounds per verdict, and what it blocks includes the rounds that would have
+        won."""
         if probe_interval < 1 or max_probe_interval < probe_interval:
             raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
                              f"{max_probe_interval}")
@@ -771,6 +773,122 @@ class PrefixSchedulerPolicy(VerificationPolicy):
                                                     + draft_seconds)
         return drafting > float(table[1])
 
+
+class LookupSurvival:
+    """Per-position acceptance of prompt-lookup drafts, learned from their own verified rounds.
+
+    A lookup draft continues an earlier occurrence of the sequence's last ``n`` tokens; how often the target agrees
+    depends on ``n`` (a one-token match is a guess, a four-token match usually a copy) and on the position in the
+    draft. For each match-length bucket and position k the estimate of P(draft k accepted | drafts 1..k-1 accepted)
+    is ``(accepted_k + m * prior_n) / (reached_k + m)``: ``m`` pseudo-observations at the bucket's prior, so the first
+    rounds follow the prior and the measured rate takes over as rounds come in.
+    """
+
+    PRIORS = (0.3, 0.5, 0.6, 0.7)  # match length 1, 2, 3, >= 4
+
+    def __init__(self, max_tokens: int, pseudo_count: float = 4.0):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.pseudo_count = pseudo_count
+        buckets = len(self.PRIORS)
+        self.reached = torch.zeros(buckets, max_tokens, dtype=torch.float64)
+        self.accepted = torch.zeros(buckets, max_tokens, dtype=torch.float64)
+
+    @classmethod
+    def bucket(cls, match_length: int) -> int:
+        return min(max(int(match_length), 1), len(cls.PRIORS)) - 1
+
+    def confidences(self, match_length: int, num_tokens: int) -> torch.Tensor:
+        """Conditional acceptance estimates [num_tokens] for a draft found with a ``match_length``-token match."""
+        b = self.bucket(match_length)
+        k = min(num_tokens, self.reached.shape[1])
+        prior = self.PRIORS[b]
+        estimate = (self.accepted[b, :k] + self.pseudo_count * prior) / (self.reached[b, :k] + self.pseudo_count)
+        return estimate.float()
+
+    def observe(self, match_length: int, verified: int, accepted: int) -> None:
+        """One verified lookup round: ``verified`` drafts went to the target, the first ``accepted`` survived."""
+        b = self.bucket(match_length)
+        k = torch.arange(self.reached.shape[1])
+        reached = (k < verified) & (k <= accepted)  # draft k+1 was verified with drafts 1..k accepted
+        self.reached[b] += reached.double()
+        self.accepted[b] += (reached & (k < accepted)).double()
+
+
+@register_verification_policy("hybrid")
+class HybridPolicy(PrefixSchedulerPolicy):
+    """Two draft sources under one cost model: the drafter's block and a prompt lookup (the continuation of the
+    latest earlier occurrence of the sequence's last tokens, free to propose).
+
+    Each round the lookup's drafts are priced from ``LookupSurvival`` as Algorithm 1 prices the block's, by expected
+    tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; the block is priced from its smoothed past confidences and
+    the drafter's measured time (as the scheduler's skip rule does); plain decoding at ``SPS(1)``. The best source
+    drafts: a round the lookup wins skips the drafter's forward (its context is still extended with the new target
+    features, so the next block sees the whole sequence). Where nothing predicts the block yet, or a probe of it is
+    due, a paying lookup still goes first: the block is probed on a round without one.
+
+    Lossless for greedy decoding and sampling: a lookup draft is deterministic, so the candidate generator hands the
+    target a one-hot q for it, and the choice of source and length uses only earlier rounds and the lookup's
+    position in the sequence, never the target's verdict on the drafts being verified.
+    """
+
+    uses_lookup = True
+
+    def __init__(self, *args, max_ngram: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        if max_ngram < 1:
+            raise ValueError(f"lookup_max_ngram must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+        self.lookup: LookupSurvival | None = None
+
+    @classmethod
+    def from_generation_config(cls, generation_config, block_size):
+        policy = super().from_generation_config(generation_config, block_size)
+        policy.max_ngram = int(getattr(generation_config, "lookup_max_ngram", None) or 4)
+        if policy.max_ngram < 1:
+            raise ValueError(f"lookup_max_ngram must be >= 1, got {policy.max_ngram}")
+        return policy
+
+    def set_lookup_survival(self, survival: LookupSurvival) -> None:
+        """The estimator this policy prices lookup drafts with (shared across calls, like the realized gate)."""
+        self.lookup = survival
+
+    def lookup_length(self, confidences: torch.Tensor, max_drafts: int) -> tuple[int, float]:
+        """Algorithm 1 over the lookup's conditionals: (drafts to verify, expected tokens per second)."""
+        if self._table is None:
+            raise ValueError("the hybrid policy needs an SPS profile (generation_config.sps_profile)")
+        length = self._schedule(confidences, max_drafts)
+        if length == 0:
+            return 0, 0.0
+        survival = torch.cumprod(confidences[:length].float().clamp(0, 1), dim=0)
+        return length, (1.0 + float(survival.sum())) * float(self._table[min(1 + length, self._table.shape[0] - 1)])
+
+    def block_rate(self, max_drafts: int, draft_seconds: float | None) -> float | None:
+        """Predicted tokens per second of drafting a block this round, or None when nothing predicts it yet or a
+        probe of the block is due (the block's own rounds are what teach the prediction)."""
+        if self._stale is None or self._idle >= self._wait or draft_seconds is None:
+            return None
+        stale = self._corrected(self._stale)
+        length = self._schedule(stale, max_drafts)
+        if length == 0:
+            return 0.0
+        survival = torch.cumprod(stale[:length].clamp(0, 1), dim=0)
+        table = self._table
+        return (1.0 + float(survival.sum())) / (1.0 / float(table[min(1 + length, table.shape[0] - 1)])
+                                                + draft_seconds)
+
+    def choose_source(self, lookup_confidences: torch.Tensor | None, max_drafts: int,
+                      draft_seconds: float | None) -> tuple[str, int]:
+        """``("lookup", l)``, ``("block", 0)`` (draft, then schedule the block's length) or ``("none", 0)``."""
+        if lookup_confidences is not None and max_drafts > 0:
+            length, rate = self.lookup_length(lookup_confidences, max_drafts)
+            if length > 0 and rate > float(self._table[1]):
+                block = self.block_rate(max_drafts, draft_seconds)
+                if block is None or rate >= block:
+                    return "lookup", length
+        return ("block", 0) if self.should_draft(max_drafts, draft_seconds) else ("none", 0)
+
+
 def _explore_budget(generation_config: Any) -> float:
     """``generation_config.explore_budget`` (unset or None: ``EXPLORE_BUDGET``; 0 is kept: no budget)."""
     value = getattr(generation_config, "explore_budget", None)
@@ -796,6 +914,8 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 
 __all__ = [
     "ConfidenceThresholdPolicy",
+    "HybridPolicy",
+    "LookupSurvival",
     "DRAFTING_MARGIN",
     "EXPLORE_BUDGET",
     "MATCHED_PLAIN_ROUNDS",

@@ -29,6 +29,8 @@ def main() -> None:
     drafter = DSparkDrafter.from_pretrained(args.drafter or run / "drafter", dtype=torch.float32)
     drafter = drafter.to(torch.bfloat16)  # compact: the card and tests use the bf16 weights
     drafter.config.dtype = torch.bfloat16
+    if drafter.confidence_head is not None:  # the fast default: drafter block or prompt lookup, priced per round
+        drafter.generation_config.verification_policy = "hybrid"
     write_hub_folder(drafter, args.output, repo_id=f"hf-dspark/{args.name}", name=args.name,
                      target_name="HuggingFaceTB/SmolLM2-135M-Instruct", training=training_text(run),
                      report=load_report(args.report) if args.report else None)

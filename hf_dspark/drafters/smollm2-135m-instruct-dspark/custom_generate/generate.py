@@ -35,9 +35,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
-    from .scheduling import RealizedGate, VerificationPolicy, policy_from_generation_config
+    from .scheduling import LookupSurvival, RealizedGate, VerificationPolicy, policy_from_generation_config
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from scheduling import RealizedGate, VerificationPolicy, policy_from_generation_config  # type: ignore[no-redef]
+    from scheduling import (  # type: ignore[no-redef]
+        LookupSurvival,
+        RealizedGate,
+        VerificationPolicy,
+        policy_from_generation_config,
+    )
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -53,6 +58,8 @@ class DSparkStats:
 
     A round is one target forward after the prefill: it verifies ``verified[i]`` of ``drafted[i]`` draft tokens and
     accepts ``accepted[i]`` of them, then emits one more token from the target (the bonus or the correction).
+    ``sources[i]`` says where its drafts came from: ``"block"`` (the drafter), ``"lookup"`` (prompt lookup) or
+    ``"none"`` (the target decoded alone).
     """
 
     block_size: int
@@ -61,14 +68,27 @@ class DSparkStats:
     accepted: list[int] = field(default_factory=list)
     confidences: list[list[float]] = field(default_factory=list)
     confidence_logits: list[list[float]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
 
     def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None = None,
-                  confidence_logits: list[float] | None = None) -> None:
+                  confidence_logits: list[float] | None = None, source: str | None = None) -> None:
         self.drafted.append(drafted)
         self.verified.append(verified)
         self.accepted.append(accepted)
         self.confidences.append(confidences or [])
         self.confidence_logits.append(confidence_logits or [])
+        self.sources.append(source or ("block" if drafted else "none"))
+
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Rounds, drafted, verified and accepted draft tokens per draft source."""
+        out: dict[str, dict[str, int]] = {}
+        for source, drafted, verified, accepted in zip(self.sources, self.drafted, self.verified, self.accepted):
+            row = out.setdefault(source, {"rounds": 0, "drafted": 0, "verified": 0, "accepted": 0})
+            row["rounds"] += 1
+            row["drafted"] += drafted
+            row["verified"] += verified
+            row["accepted"] += accepted
+        return out
 
     @property
     def rounds(self) -> int:
@@ -104,6 +124,8 @@ class DSparkStats:
             "accepted": list(self.accepted),
             "confidences": [list(c) for c in self.confidences],
             "confidence_logits": [list(c) for c in self.confidence_logits],
+            "sources": list(self.sources),
+            "by_source": self.by_source(),
             "accepted_length": self.accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "position_acceptance": self.position_acceptance(),
@@ -130,6 +152,7 @@ class DSparkRound:
     accepted: int  # leading verified drafts the target accepted
     emitted_ids: list[int]  # tokens the round appended: the accepted drafts, then the target's own token
     confidences: list[float] | None  # c_1..c_g of the block (None: no confidence head, or nothing drafted)
+    source: str = "block"  # "block" (the drafter), "lookup" (prompt lookup) or "none"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -178,6 +201,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.set_sps(_profile_target(target, self.block_size + 1))
         if self.policy.uses_realized_gate:
             self.policy.set_realized_gate(realized_gate_for(drafter, target))
+        if self.policy.uses_lookup:
+            self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.cache = drafter.new_context_cache()
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
@@ -235,7 +261,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
             self._pending_round = (0, 0, None, None, None)
             return input_ids, None
-        if not self.policy.should_draft(max_drafts, self._draft_seconds):
+        if self.policy.uses_lookup:
+            found = prompt_lookup(input_ids[0], self.policy.max_ngram, max_drafts)
+            confidences = None if found is None else self.policy.lookup.confidences(found[1], found[0].shape[0])
+            source, length = self.policy.choose_source(confidences, max_drafts, self._draft_seconds)
+            if source == "lookup":
+                return self._lookup_candidates(input_ids, target_hidden, found[0], found[1], length)
+        else:
+            source = "block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"
+        if source == "none":
             # The policy expects no draft worth its cost this round: the target decodes alone (context kept whole).
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
             self._pending_round = (0, 0, None, None, None)
@@ -267,6 +301,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # softmax(draft_logits) is the distribution each draft token was actually sampled from (q).
         return candidates, draft.draft_logits[:, :verify]
 
+    def _lookup_candidates(self, input_ids, target_hidden, tokens: torch.LongTensor, match_length: int, verify: int):
+        """A round drafted by prompt lookup: no drafter forward, only its context extended with the new features."""
+        self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+        drafts = tokens[:verify].to(input_ids.device)
+        self._pending_round = (tokens.shape[0], verify, None, None, tokens.view(1, -1), "lookup", match_length)
+        candidates = torch.cat([input_ids, drafts.view(1, -1)], dim=-1)
+        self._crop_at_stop(candidates, input_ids.shape[1])
+        if not self.do_sample:
+            return candidates, None  # greedy verification compares tokens only
+        # The draft is deterministic: q is one-hot on each drafted token (logits 0 there, -inf elsewhere).
+        logits = torch.full((1, verify, self.vocab_size), float("-inf"), device=input_ids.device)
+        logits.scatter_(-1, drafts.view(1, -1, 1), 0.0)
+        return candidates, logits
+
     def _crop_at_stop(self, candidates: torch.LongTensor, length: int) -> None:
         """Make the assisted loop end this round where a stopping criterion first fires inside the drafts.
 
@@ -284,10 +332,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits, draft_ids = self._pending_round
+        drafted, verified, confidences, confidence_logits, draft_ids, *lookup = self._pending_round
+        source = lookup[0] if lookup else ("block" if draft_ids is not None else "none")
         accepted = int(num_matches)
-        self._finished_round = (draft_ids is not None, accepted + 1)
-        self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits)
+        self._finished_round = (source == "block", accepted + 1)
+        self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
+        if source == "lookup":
+            self.policy.lookup.observe(lookup[1], verified, accepted)
         self.policy.observe(verified, accepted)
         self._pending_round = None
         if self.round_callback is not None:
@@ -298,6 +349,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 accepted=accepted,
                 emitted_ids=input_ids[0, input_ids.shape[1] - accepted - 1:].tolist(),
                 confidences=confidences,
+                source=source,
             ))
 
 
@@ -342,16 +394,47 @@ def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | Non
     return int(fired.int().argmax()) + 1
 
 
-def realized_gate_for(drafter, target) -> RealizedGate:
-    """The ``RealizedGate`` that ``generate()`` calls with this drafter and this target share (kept on the drafter,
-    one per target, device, dtype and thread count: rounds timed under other conditions say nothing here)."""
+def _shared_per_target(drafter, target, attribute: str, factory):
+    """One object per (target, device, dtype, thread count), kept on the drafter so that every ``generate()`` call
+    with this pair shares it (rounds measured under other conditions say nothing here)."""
     parameter = next(target.parameters())
     key = (str(getattr(target.config, "_name_or_path", "") or type(target).__name__), id(target), str(parameter.device),
            str(parameter.dtype), torch.get_num_threads())
-    gates = drafter.__dict__.setdefault("_dspark_realized_gates", {})
-    if key not in gates:
-        gates[key] = RealizedGate()
-    return gates[key]
+    shared = drafter.__dict__.setdefault(attribute, {})
+    if key not in shared:
+        shared[key] = factory()
+    return shared[key]
+
+
+def realized_gate_for(drafter, target) -> RealizedGate:
+    """The ``RealizedGate`` that ``generate()`` calls with this drafter and this target share."""
+    return _shared_per_target(drafter, target, "_dspark_realized_gates", RealizedGate)
+
+
+def lookup_survival_for(drafter, target) -> LookupSurvival:
+    """The prompt-lookup acceptance estimate that ``generate()`` calls with this drafter and target share."""
+    return _shared_per_target(drafter, target, "_dspark_lookup_survival",
+                              lambda: LookupSurvival(drafter.config.block_size))
+
+
+def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tuple[torch.LongTensor, int] | None:
+    """Prompt-lookup draft: ``(tokens, n)``, the continuation (up to ``max_tokens``) of the latest earlier occurrence
+    of the last ``n`` tokens of ``ids`` [L], for the largest ``n <= max_ngram`` that occurs; None if none does.
+
+    Among occurrences of the longest matching suffix, the latest one with ``max_tokens`` tokens after it wins (the
+    latest of all if none has): recent text predicts the next tokens best, and a full continuation drafts more.
+    """
+    length = ids.shape[0]
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        windows = ids[: length - 1].unfold(0, n, 1)  # [L - n, n]: every earlier n-gram with a token after it
+        starts = torch.nonzero((windows == ids[length - n:]).all(dim=-1)).flatten()
+        if starts.numel() == 0:
+            continue
+        follow = starts + n
+        full = follow[follow + max_tokens <= length]
+        begin = int(full[-1] if full.numel() else follow[-1])
+        return ids[begin: begin + max_tokens], n
+    return None
 
 
 def _profile_target(target, max_batch_tokens: int):
@@ -480,6 +563,8 @@ __all__ = [
     "in_round_stopping_criteria",
     "install_generate_dispatch",
     "is_dspark_drafter",
+    "lookup_survival_for",
+    "prompt_lookup",
     "realized_gate_for",
     "validate_dspark_request",
 ]

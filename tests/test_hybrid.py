@@ -1,0 +1,112 @@
+"""The hybrid policy: the drafter's block and prompt lookup under one cost model, lossless for greedy and sampling."""
+
+import pytest
+import torch
+
+from hf_dspark.generation import prompt_lookup
+from hf_dspark.scheduling import HybridPolicy, LookupSurvival, StepsPerSecond
+from tests.helpers import random_prompts
+from tests.test_greedy_equality import assert_same_greedy, set_policy
+from tests.test_sampling import chi_square_pvalue, exact_pair_distribution, sample_pairs
+from tests.test_sampling import setup  # noqa: F401  (the module fixture)
+
+CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]}
+
+
+def test_prompt_lookup_takes_the_longest_suffix_match_and_its_latest_full_continuation():
+    ids = torch.tensor([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 2, 3])
+    tokens, n = prompt_lookup(ids, max_ngram=4, max_tokens=3)
+    assert n == 2 and tokens.tolist() == [7, 8, 4]  # "2 3" occurs twice before; the latest continues 7 8 4
+    tokens, n = prompt_lookup(ids, max_ngram=4, max_tokens=6)
+    assert n == 2 and tokens.tolist() == [9, 9, 1, 2, 3, 7]  # only the earlier occurrence has 6 tokens after it
+    tokens, n = prompt_lookup(torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]), max_ngram=3, max_tokens=2)
+    assert n == 3 and tokens.tolist() == [3, 1]
+    assert prompt_lookup(torch.tensor([1, 2, 3, 4]), max_ngram=3, max_tokens=2) is None
+    assert prompt_lookup(torch.tensor([4]), max_ngram=3, max_tokens=2) is None
+
+
+def test_lookup_survival_starts_at_the_prior_and_learns():
+    survival = LookupSurvival(max_tokens=4, pseudo_count=4.0)
+    assert survival.confidences(3, 4).tolist() == pytest.approx([0.6] * 4)
+    for _ in range(12):
+        survival.observe(3, verified=4, accepted=1)  # the first draft always survives, the second never
+    c = survival.confidences(3, 4)
+    assert c[0].item() == pytest.approx((12 + 4 * 0.6) / (12 + 4))
+    assert c[1].item() == pytest.approx((0 + 4 * 0.6) / (12 + 4))
+    assert c[2].item() == pytest.approx(0.6)  # never reached: still the prior
+    assert survival.confidences(1, 2).tolist() == pytest.approx([0.3, 0.3])  # other buckets untouched
+
+
+def test_choose_source_prices_lookup_block_and_plain():
+    policy = HybridPolicy(StepsPerSecond([1, 8], [100.0, 98.0]))
+    sure = torch.tensor([0.95, 0.95, 0.95, 0.9])
+    assert policy.choose_source(sure, 4, None) == ("lookup", 4)
+    # 1.001 x SPS(2) < SPS(1): the lookup does not pay; with nothing learnt about the block yet, it is probed
+    assert policy.choose_source(torch.tensor([0.001, 0.001]), 4, None)[0] == "block"
+    expensive = HybridPolicy(StepsPerSecond([1, 2, 8], [100.0, 40.0, 10.0]))
+    assert expensive.choose_source(torch.tensor([0.5, 0.5]), 4, None)[0] != "lookup"  # 1.5 x 40 < 100
+    # A block predicted far better than the lookup wins once it has a prediction.
+    policy.num_to_verify(torch.tensor([0.99, 0.99, 0.99, 0.99]), 4)
+    policy.observe(4, 4)
+    assert policy.choose_source(torch.tensor([0.3, 0.3]), 4, 1e-4) == ("block", 0)
+
+
+@pytest.mark.parametrize("profile", [CHEAP_VERIFY, {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]}])
+def test_hybrid_greedy_equality(tiny_targets, trained_drafters, family, profile):
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    set_policy(drafter, "hybrid", sps_profile=profile)
+    try:
+        sources = set()
+        for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:3]:
+            repeated = torch.cat([prompt, prompt[:, :5], prompt], dim=1)  # text that lookup can copy from
+            assert_same_greedy(target, drafter, repeated, max_new_tokens=30)
+            stats = drafter.last_stats
+            sources |= set(stats.sources)
+            by_source = stats.by_source()
+            assert sum(row["rounds"] for row in by_source.values()) == stats.rounds
+        assert "lookup" in sources
+    finally:
+        set_policy(drafter, "fixed")
+        del drafter.generation_config.sps_profile
+
+
+def _hybrid(drafter):
+    drafter.generation_config.verification_policy = "hybrid"
+    drafter.generation_config.sps_profile = CHEAP_VERIFY
+    drafter.__dict__.pop("_dspark_lookup_survival", None)
+
+
+def test_hybrid_sampling_matches_target_distribution(setup):  # noqa: F811
+    target, drafter, prompt = setup
+    _hybrid(drafter)
+    try:
+        exact = exact_pair_distribution(target, prompt, 0.7, 4)
+        counts, _ = sample_pairs(target, drafter, prompt, 0.7, 4, 1500, seed=11)
+        survival = next(iter(drafter._dspark_lookup_survival.values()))
+        assert survival.reached.sum() > 500, "lookup rounds must be verified often for the test to have power"
+        pvalue = chi_square_pvalue(counts, exact)
+        assert pvalue > 1e-3, f"hybrid sampling deviates from the target distribution (p={pvalue:.2e})"
+    finally:
+        drafter.generation_config.verification_policy = "fixed"
+
+
+def test_hybrid_wrong_lookup_q_is_detected(setup, monkeypatch):  # noqa: F811
+    """A uniform q for the lookup's drafts instead of the one-hot it is sampled from must fail the same test."""
+    from hf_dspark.generation import DSparkCandidateGenerator
+
+    target, drafter, prompt = setup
+    _hybrid(drafter)
+    original = DSparkCandidateGenerator._lookup_candidates
+
+    def uniform_q(self, *args, **kwargs):
+        candidates, logits = original(self, *args, **kwargs)
+        return candidates, None if logits is None else torch.zeros_like(logits)
+
+    monkeypatch.setattr(DSparkCandidateGenerator, "_lookup_candidates", uniform_q)
+    try:
+        exact = exact_pair_distribution(target, prompt, 0.7, 4)
+        counts, _ = sample_pairs(target, drafter, prompt, 0.7, 4, 1500, seed=11)
+        pvalue = chi_square_pvalue(counts, exact)
+        assert pvalue < 1e-3, f"the test has no power: a wrong lookup q passed (p={pvalue:.2e})"
+    finally:
+        drafter.generation_config.verification_policy = "fixed"
