@@ -126,6 +126,8 @@ def cmd_generate(args) -> int:
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    if args.stop:
+        settings.update(stop_strings=list(args.stop), tokenizer=tokenizer)
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}); drafter: {origin}; verification "
           f"policy: {policy}", flush=True)
     results = {}
@@ -529,6 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verification policy: hybrid | fixed | threshold | scheduler | <registered> (default: hybrid "
                           "for drafters with a confidence head, else fixed)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence threshold for --policy threshold")
+    gen.add_argument("--stop", nargs="+", default=None, metavar="STRING",
+                     help="stop strings: both runs end where the text first contains one (as generate(stop_strings=))")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     gen.add_argument("--json", action="store_true", help="also print a JSON summary line")

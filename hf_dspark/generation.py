@@ -438,15 +438,45 @@ def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tup
 
 
 def _profile_target(target, max_batch_tokens: int):
-    """The target's SPS(B) profile (cached; measured once, bounded time) for policies that schedule by speed."""
+    """The target's SPS(B) profile for policies that schedule by speed: hf_dspark's cached profile where the package
+    is installed, else (the custom_generate route) a quick two-point measurement of this target."""
     try:
         from hf_dspark.profiling import load_or_profile
-    except ImportError as err:  # the custom_generate route without hf_dspark installed
-        raise ValueError(
-            "this verification policy needs an SPS profile: set drafter.generation_config.sps_profile = "
-            "{'sample_batch_tokens': [...], 'sample_steps_per_sec': [...]} (or install hf-dspark to profile)"
-        ) from err
+    except ImportError:  # the custom_generate route without hf_dspark installed
+        return _two_point_profile(target, max_batch_tokens)
     return load_or_profile(target, max_batch_tokens)
+
+
+@torch.no_grad()
+def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats: int = 3):
+    """SPS at B = 1 and B = ``max_batch_tokens``, each the best of ``repeats`` forwards over a ``context``-token
+    cache (cropped back after each); the scheduler interpolates between them. Set
+    ``generation_config.sps_profile`` to use a fuller profile instead."""
+    try:
+        from .scheduling import StepsPerSecond
+    except ImportError:  # pragma: no cover - loaded as a top-level module
+        from scheduling import StepsPerSecond  # type: ignore[no-redef]
+
+    device = next(target.parameters()).device
+    ids = torch.zeros(1, context + max_batch_tokens, dtype=torch.long, device=device)
+    cache = target(ids[:, :context], use_cache=True).past_key_values
+    rates = []
+    for width in sorted({1, max_batch_tokens}):
+        best = float("inf")
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            target(ids[:, context:context + width], past_key_values=cache, use_cache=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - started)
+            cache.crop(context)
+        rates.append(1.0 / best)
+    widths = sorted({1, max_batch_tokens})
+    if len(rates) == 2:
+        rates[1] = min(rates[1], rates[0])  # a wider forward never runs faster: keep the profile non-increasing
+    return StepsPerSecond(widths, rates, max_batch_tokens)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -110,3 +110,12 @@ def test_hybrid_wrong_lookup_q_is_detected(setup, monkeypatch):  # noqa: F811
         assert pvalue < 1e-3, f"the test has no power: a wrong lookup q passed (p={pvalue:.2e})"
     finally:
         drafter.generation_config.verification_policy = "fixed"
+
+
+def test_two_point_profile_without_the_package(tiny_targets):
+    """The custom_generate route without hf_dspark measures SPS at B = 1 and B = max itself."""
+    from hf_dspark.generation import _two_point_profile
+
+    sps = _two_point_profile(tiny_targets["llama"], 8)
+    assert sps.batch_tokens == [1, 8] and sps.max_batch_tokens == 8
+    assert sps.steps_per_sec[0] >= sps.steps_per_sec[1] > 0

@@ -24,10 +24,21 @@ SCRIPT = textwrap.dedent(
     plain = target.generate(ids, max_new_tokens=30, do_sample=False)
     assisted = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter,
                                custom_generate=drafter_dir, trust_remote_code=True)
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):  # fires on a draft in mid-round as often as not
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= ids.shape[1] + 11, dtype=torch.bool)
+
+    stops = {}
+    for name, extra in (("plain", {}), ("assisted", dict(assistant_model=drafter, custom_generate=drafter_dir,
+                                                           trust_remote_code=True))):
+        stops[name] = target.generate(ids, max_new_tokens=30, do_sample=False,
+                                      stopping_criteria=StoppingCriteriaList([StopAtLength()]), **extra)[0].tolist()
     torch.manual_seed(0)
     sampled = target.generate(ids, max_new_tokens=12, do_sample=True, assistant_model=drafter,
                               custom_generate=drafter_dir, trust_remote_code=True)
-    print(json.dumps({"plain": plain[0].tolist(), "assisted": assisted[0].tolist(),
+    print(json.dumps({"plain": plain[0].tolist(), "assisted": assisted[0].tolist(), "stops": stops,
                       "sampled_len": sampled.shape[1], "tau": drafter.last_stats.accepted_length,
                       "hf_dspark_loaded": [m for m in sys.modules if m.startswith("hf_dspark") and sys.modules[m]]}))
     """
@@ -48,6 +59,7 @@ def test_trust_remote_code_without_package(tiny_targets, trained_drafters, tmp_p
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["plain"] == report["assisted"]
+    assert report["stops"]["plain"] == report["stops"]["assisted"] and len(report["stops"]["plain"]) == len(prompt) + 11
     assert report["hf_dspark_loaded"] == []
     assert report["tau"] > 1.5, "the remote-code drafter should be accepted like the local one"
     assert report["sampled_len"] == len(prompt) + 12

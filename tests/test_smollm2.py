@@ -32,6 +32,28 @@ def test_smollm2_greedy_equality(smollm2):
     assert stats.rounds > 0 and stats.accepted_length >= 1.0
 
 
+def test_stop_string_completed_inside_a_round(smollm2):
+    """A stop string completed by an accepted draft ends the output where plain generate() ends it, on the
+    generate() route (the embedded default, no settings) and in the batched engine."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+
+    target, tokenizer = smollm2
+    drafter, _ = load_drafter_for(target)
+    assert drafter.generation_config.verification_policy == "hybrid"
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    settings = dict(max_new_tokens=96, do_sample=False, stop_strings=["return"], tokenizer=tokenizer)
+    plain = target.generate(**inputs, **settings)
+    assisted = target.generate(**inputs, **settings, assistant_model=drafter)
+    assert torch.equal(plain, assisted)
+    new = plain[0, inputs["input_ids"].shape[1]:].tolist()
+    assert len(new) < 96 and tokenizer.decode(new).endswith("return")
+    batch = generate_batch(target, [inputs["input_ids"][0].tolist()], drafter,
+                           SamplingParams(max_new_tokens=96, stop_strings=("return",)), method="fixed",
+                           tokenizer=tokenizer)
+    assert batch.outputs[0].token_ids == new and batch.outputs[0].finish_reason == "stop"
+
+
 def test_load_default(smollm2):
     target, tokenizer, drafter = hf_dspark.load_default()
     assert drafter.embed_tokens is target.get_input_embeddings()
@@ -41,7 +63,7 @@ def test_load_default(smollm2):
 @pytest.mark.parametrize("policy", [None, "threshold"])
 def test_main_command_generate(capsys, smollm2, policy):
     """The README's main job (`hf-dspark generate`) on the embedded default: identical output, JSON summary; by
-    default the prefix scheduler verifies (the embedded drafter has a confidence head)."""
+    default the hybrid policy drafts (the embedded drafter has a confidence head)."""
     import json
 
     from hf_dspark.cli import main
@@ -53,7 +75,7 @@ def test_main_command_generate(capsys, smollm2, policy):
     finally:
         torch.set_num_threads(threads)  # the CLI sets the process-wide thread count
     out = capsys.readouterr().out
-    assert f"verification policy: {policy or 'scheduler'}" in out
+    assert f"verification policy: {policy or 'hybrid'}" in out
     assert "identical output: True" in out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["plain"]["tokens"] == summary["dspark"]["tokens"] == 12
