@@ -100,8 +100,8 @@ def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
     return (
         f'<div class="dspark-round" data-round="{record.index}" data-source="{html.escape(record.source)}" '
         f'style="margin:2px 0;border-left:4px solid {source[0]};padding-left:4px;">'
-        f'<span style="display:inline-block;width:11em;font-size:0.8em;opacity:0.75;">round {record.index + 1} '
-        f"({source[1]}): {summary}</span>{''.join(spans)}</div>"
+        f'<span style="display:inline-block;width:14em;font-size:0.8em;opacity:0.75;">round {record.index + 1}: '
+        f"{summary} ({source[1]})</span>{''.join(spans)}</div>"
     )
 
 

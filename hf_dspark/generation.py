@@ -471,7 +471,7 @@ def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - started)
-            cache.crop(context)
+            cache.crop(-width)  # drop the tokens this forward appended
         rates.append(1.0 / best)
     widths = sorted({1, max_batch_tokens})
     if len(rates) == 2:

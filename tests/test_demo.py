@@ -70,8 +70,11 @@ def test_round_html_colours_and_confidences():
     colours = {status: re.search(rf'data-status="{status}"[^>]*background:(#\w+)', markup).group(1)
                for status in ("accepted", "rejected", "unverified", "bonus")}
     assert len(set(colours.values())) == 4
-    assert "round 3: 2/4 accepted, +3" in markup
+    assert "round 3: 2/4 accepted, +3 (drafter)" in markup
     assert "<b>" not in markup  # token text is escaped
+    lookup = round_html(DSparkRound(index=0, draft_ids=[1, 2], verified=2, accepted=1, emitted_ids=[1, 5],
+                                    confidences=None, source="lookup"), str)
+    assert 'data-source="lookup"' in lookup and "(lookup)" in lookup and "#d97706" in lookup
 
 
 def test_round_html_all_accepted_no_confidences_and_empty_round():
