@@ -27,7 +27,7 @@ import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -138,6 +138,18 @@ class DSparkStats:
         )
 
 
+class _PendingRound(NamedTuple):
+    """What a round drafted, kept from ``get_candidates`` until its verdict arrives."""
+
+    drafted: int = 0
+    verified: int = 0
+    confidences: list[float] | None = None
+    confidence_logits: list[float] | None = None
+    draft_ids: torch.Tensor | None = None  # [1, drafted]
+    source: str = "none"
+    match_length: int = 0  # lookup rounds: tokens of the suffix match
+
+
 @dataclass
 class DSparkRound:
     """One verification round as seen live by ``drafter.round_callback`` (optional, for observers such as the demo).
@@ -208,7 +220,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
-        self._pending_round: tuple | None = None
+        self._pending_round: _PendingRound | None = None
         self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
         # Whole-round timing for the policy: a round runs from one get_candidates call to the next (drafter,
         # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
@@ -259,7 +271,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if max_drafts <= 0:
             # Only the target's own next token fits; still keep the context complete.
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
-            self._pending_round = (0, 0, None, None, None)
+            self._pending_round = _PendingRound()
             return input_ids, None
         if self.policy.uses_lookup:
             found = prompt_lookup(input_ids[0], self.policy.max_ngram, max_drafts)
@@ -272,7 +284,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if source == "none":
             # The policy expects no draft worth its cost this round: the target decodes alone (context kept whole).
             self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
-            self._pending_round = (0, 0, None, None, None)
+            self._pending_round = _PendingRound()
             return input_ids, None
         started = time.perf_counter()
         draft = self.drafter.draft(
@@ -291,9 +303,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
         raw = None if draft.confidence_logits is None else draft.confidence_logits[0].tolist()
-        self._pending_round = (
-            self.block_size, verify, None if confidences is None else confidences.tolist(), raw, draft.draft_ids
-        )
+        listed = None if confidences is None else confidences.tolist()
+        self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.draft_ids, source="block")
         if verify == 0:
             return input_ids, None
         candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
@@ -305,7 +316,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """A round drafted by prompt lookup: no drafter forward, only its context extended with the new features."""
         self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
         drafts = tokens[:verify].to(input_ids.device)
-        self._pending_round = (tokens.shape[0], verify, None, None, tokens.view(1, -1), "lookup", match_length)
+        self._pending_round = _PendingRound(tokens.shape[0], verify, draft_ids=tokens.view(1, -1), source="lookup",
+                                            match_length=match_length)
         candidates = torch.cat([input_ids, drafts.view(1, -1)], dim=-1)
         self._crop_at_stop(candidates, input_ids.shape[1])
         if not self.do_sample:
@@ -332,13 +344,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits, draft_ids, *lookup = self._pending_round
-        source = lookup[0] if lookup else ("block" if draft_ids is not None else "none")
+        drafted, verified, confidences, confidence_logits, draft_ids, source, match_length = self._pending_round
         accepted = int(num_matches)
         self._finished_round = (source == "block", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if source == "lookup":
-            self.policy.lookup.observe(lookup[1], verified, accepted)
+            self.policy.lookup.observe(match_length, verified, accepted)
         self.policy.observe(verified, accepted)
         self._pending_round = None
         if self.round_callback is not None:
@@ -460,8 +471,8 @@ def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats
     device = next(target.parameters()).device
     ids = torch.zeros(1, context + max_batch_tokens, dtype=torch.long, device=device)
     cache = target(ids[:, :context], use_cache=True).past_key_values
-    rates = []
-    for width in sorted({1, max_batch_tokens}):
+    widths, rates = sorted({1, max_batch_tokens}), []
+    for width in widths:
         best = float("inf")
         for _ in range(repeats):
             if device.type == "cuda":
@@ -473,7 +484,6 @@ def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats
             best = min(best, time.perf_counter() - started)
             cache.crop(-width)  # drop the tokens this forward appended
         rates.append(1.0 / best)
-    widths = sorted({1, max_batch_tokens})
     if len(rates) == 2:
         rates[1] = min(rates[1], rates[0])  # a wider forward never runs faster: keep the profile non-increasing
     return StepsPerSecond(widths, rates, max_batch_tokens)

@@ -51,7 +51,10 @@ def test_choose_source_prices_lookup_block_and_plain():
     assert policy.choose_source(torch.tensor([0.3, 0.3]), 4, 1e-4) == ("block", 0)
 
 
-@pytest.mark.parametrize("profile", [CHEAP_VERIFY, {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]}])
+DEAR_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]}
+
+
+@pytest.mark.parametrize("profile", [CHEAP_VERIFY, DEAR_VERIFY])
 def test_hybrid_greedy_equality(tiny_targets, trained_drafters, family, profile):
     target, drafter = tiny_targets[family], trained_drafters[family]
     set_policy(drafter, "hybrid", sps_profile=profile)

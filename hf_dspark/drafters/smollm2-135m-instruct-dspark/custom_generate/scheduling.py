@@ -767,11 +767,14 @@ class PrefixSchedulerPolicy(VerificationPolicy):
             return False
         if draft_seconds is None:
             return True
-        survival = torch.cumprod(stale[:length].clamp(0, 1), dim=0)
-        table = self._table
-        drafting = (1.0 + float(survival.sum())) / (1.0 / float(table[min(1 + length, table.shape[0] - 1)])
-                                                    + draft_seconds)
-        return drafting > float(table[1])
+        return self._expected_rate(stale, length, draft_seconds) > float(self._table[1])
+
+    def _expected_rate(self, conditionals: torch.Tensor, length: int, draft_seconds: float = 0.0) -> float:
+        """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances:
+        ``(1 + sum of prefix survivals) / (1 / SPS(1 + length) + draft_seconds)``."""
+        survival = torch.cumprod(conditionals[:length].float().clamp(0, 1), dim=0)
+        sps = float(self._table[min(1 + length, self._table.shape[0] - 1)])
+        return (1.0 + float(survival.sum())) / (1.0 / sps + draft_seconds)
 
 
 class LookupSurvival:
@@ -858,10 +861,7 @@ class HybridPolicy(PrefixSchedulerPolicy):
         if self._table is None:
             raise ValueError("the hybrid policy needs an SPS profile (generation_config.sps_profile)")
         length = self._schedule(confidences, max_drafts)
-        if length == 0:
-            return 0, 0.0
-        survival = torch.cumprod(confidences[:length].float().clamp(0, 1), dim=0)
-        return length, (1.0 + float(survival.sum())) * float(self._table[min(1 + length, self._table.shape[0] - 1)])
+        return (length, self._expected_rate(confidences, length)) if length else (0, 0.0)
 
     def block_rate(self, max_drafts: int, draft_seconds: float | None) -> float | None:
         """Predicted tokens per second of drafting a block this round, or None when nothing predicts it yet or a
@@ -870,12 +870,7 @@ class HybridPolicy(PrefixSchedulerPolicy):
             return None
         stale = self._corrected(self._stale)
         length = self._schedule(stale, max_drafts)
-        if length == 0:
-            return 0.0
-        survival = torch.cumprod(stale[:length].clamp(0, 1), dim=0)
-        table = self._table
-        return (1.0 + float(survival.sum())) / (1.0 / float(table[min(1 + length, table.shape[0] - 1)])
-                                                + draft_seconds)
+        return self._expected_rate(stale, length, draft_seconds) if length else 0.0
 
     def choose_source(self, lookup_confidences: torch.Tensor | None, max_drafts: int,
                       draft_seconds: float | None) -> tuple[str, int]:
