@@ -1860,7 +1860,7 @@ def test_cache_layer_appends_in_place():
     gathered, joined or compacted) is copied into a new one."""
     from transformers.cache_utils import DynamicLayer
 
-    from hf_dspark.engine.batching import _GrowingLayer
+    from hf_dspark.engine.cache import _GrowingLayer
 
     torch.manual_seed(0)
     layer, reference = _GrowingLayer(), DynamicLayer()

@@ -34,6 +34,10 @@ scheduler and sampler in a background thread. Using it would mean driving its in
 engine uses a padded batch with per-row attention masks and positions instead. The price of padding: a step costs
 R * max(1 + l_r) tokens rather than sum(1 + l_r); the SPS(B) profile is measured on that padded batch with the B
 tokens spread evenly over the requests (``hf_dspark.profiling.load_or_profile_batched``).
+
+This module holds the step loop (``DSparkEngine``) and the public API; the ragged caches are in ``cache``, the
+verification and budget-sharing functions in ``verification``, the admission helpers in ``admission``. Their
+public names are importable from here as before.
 """
 
 from __future__ import annotations
@@ -43,10 +47,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     DynamicCache,
     LogitsProcessorList,
@@ -56,19 +59,21 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.cache_utils import DynamicLayer
 
 from ..attention import packed_attention
 from ..generation import DSparkStats, is_dspark_drafter
-from ..modeling_dspark import DSparkContextCache
 from ..scheduling import EXPLORE_BUDGET, OnlineSurvivalCorrection, StepsPerSecond, dynamic_topk_capacity
+from .admission import ADMISSION_HOLD, PrefillCost, _prefill_groups, tail_filled_order
+from .cache import DeferredDrafterContext, RaggedBatchCache
 from .measurements import EngineMeasurements, measurement_key
-
-# Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch
-# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price whatever it carries (``PrefillCost``), and
-# requests that join apart keep finishing apart, paying it again at every later generation of their slots, so the
-# budget is a whole batch of idle slot-steps. ``hf-dspark bench-serve --methods plain plain,hold=0`` measures it.
-ADMISSION_HOLD = 1.0
+from .verification import (
+    SCHEDULES,
+    _processed_probs,
+    capped_confidences,
+    greedy_verify,
+    schedule_batch,
+    speculative_verify,
+)
 
 # The engine's exploration budget (``DSparkEngine(explore_budget=)``) and the longest wait between re-measurements of
 # a losing drafting side (``max_explore_interval``). In a batch a re-measurement costs several times the shortfall of
@@ -79,7 +84,6 @@ ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
 METHODS = ("plain", "fixed", "scheduled")
-SCHEDULES = ("padded", "prefix", "topk")
 GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
@@ -152,374 +156,6 @@ class SamplingParams:
         if self.top_p is not None and self.top_p < 1.0:
             processors.append(TopPLogitsWarper(float(self.top_p)))
         return processors
-
-
-def _processed_probs(logits: torch.Tensor, processors: LogitsProcessorList | None) -> torch.Tensor:
-    """softmax(processors(logits)) over the last axis of [..., V] float logits. The warpers used here look at
-    scores only, so the token history passed to them is a placeholder."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    if processors:
-        flat = processors(flat.new_zeros(flat.shape[0], 1, dtype=torch.long), flat)
-    return torch.softmax(flat, dim=-1).view(logits.shape)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Verification of ragged blocks (pure functions)
-# ------------------------------------------------------------------------------------------------------------------
-def greedy_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor):
-    """Greedy verification: accept while the draft equals the target's argmax, then emit the target's own token.
-
-    Args:
-        draft_ids: [R, L] drafts (padded past ``num_drafts``).
-        num_drafts: [R] verified drafts per row (0..L).
-        target_logits: [R, L + 1, V]; position j scores the token after the block's j-th input (anchor = input 0).
-    Returns:
-        accepted [R] (leading drafts accepted) and next_tokens [R] (the correction, or the bonus token).
-    """
-    target_ids = target_logits.argmax(dim=-1)  # [R, L + 1]
-    length = draft_ids.shape[1]
-    verified = torch.arange(length, device=draft_ids.device) < num_drafts[:, None]
-    matches = (draft_ids == target_ids[:, :length]) & verified
-    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
-    return accepted, target_ids.gather(1, accepted[:, None]).squeeze(1)
-
-
-def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor,
-                       target_probs: torch.Tensor, generator: torch.Generator | None = None):
-    """Speculative sampling: accept draft k with probability min(1, p(x_k) / q(x_k)); at the first rejection sample
-    from norm(max(p - q, 0)); when every verified draft is accepted, sample the bonus token from p.
-
-    Args:
-        draft_ids: [R, L]; num_drafts: [R].
-        draft_probs: [R, L, V] q, exactly the distribution each draft was sampled from.
-        target_probs: [R, L + 1, V] p, the target's processed distribution at each block position.
-    Returns:
-        accepted [R] and next_tokens [R].
-    """
-    num_rows, length = draft_ids.shape
-    device = draft_ids.device
-    verified = torch.arange(length, device=device) < num_drafts[:, None]
-    p_draft = target_probs[:, :length].gather(-1, draft_ids[..., None]).squeeze(-1)
-    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
-    uniform = torch.rand(num_rows, length, device=device, generator=generator)
-    # u < p / q without dividing; q(x) > 0 because x was drawn from q.
-    accepted = ((uniform * q_draft < p_draft) & verified).long().cumprod(dim=-1).sum(dim=-1)
-    p_next = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
-    rejected = accepted < num_drafts
-    if length:
-        at = accepted.clamp(max=length - 1).view(-1, 1, 1).expand(-1, 1, draft_probs.shape[-1])
-        q_next = torch.where(rejected[:, None], draft_probs.gather(1, at).squeeze(1), 0.0)
-    else:
-        q_next = torch.zeros_like(p_next)
-    residual = (p_next - q_next).clamp_min(0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
-    # p = q exactly cannot be rejected; guard against a rounding-level residual anyway.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
-    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(1)
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Sharing the verification budget (pure functions over [R, g] confidences)
-# ------------------------------------------------------------------------------------------------------------------
-def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
-    """Zero the confidences of positions past each request's cap ([R, g], [R]): the schedulers never admit
-    zero-survival entries, so no request is given more drafts than it may verify."""
-    positions = torch.arange(confidences.shape[1], device=confidences.device)
-    return torch.where(positions < caps[:, None].to(confidences.device), confidences.float(), 0.0)
-
-
-def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: torch.Tensor, schedule: str = "prefix",
-                   capacity: int | None = None) -> torch.Tensor:
-    """Verification lengths [R] for one step from the shared budget.
-
-    ``padded``: Algorithm 1 by width layers (``scheduling.width_schedule``), the cost of the engine's padded batch
-    B = R * (1 + max length). ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix
-    survival with early stop, SPS of the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity``
-    entries of highest survival (the capacity must come from earlier steps' confidences). Rows of requests that did
-    not draft carry zeros.
-    """
-    from ..kernels import schedule_lengths
-
-    capped = capped_confidences(confidences, caps)
-    if schedule == "padded":
-        return schedule_lengths(capped, sps_table.to(capped.device), padded=True)
-    if schedule == "prefix":
-        return schedule_lengths(capped, sps_table.to(capped.device))
-    if schedule == "topk":
-        if capacity is None:
-            raise ValueError("the top-K schedule needs a capacity")
-        return schedule_lengths(capped, capacity=int(capacity))
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Column-aligned ragged caches
-# ------------------------------------------------------------------------------------------------------------------
-class _ColumnAligned:
-    """Per-request rows of cache tensors [R, heads, W, head_dim], column-aligned, with ``valid`` [R, W] marking the
-    columns that hold verified positions; every other column is a hole that attention masks hide."""
-
-    valid: torch.Tensor
-
-    def _tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def _assign(self, tensors: list[torch.Tensor]) -> None:
-        raise NotImplementedError
-
-    @property
-    def num_rows(self) -> int:
-        return self.valid.shape[0]
-
-    @property
-    def width(self) -> int:
-        return self.valid.shape[1]
-
-    def check_aligned(self) -> None:
-        widths = {t.shape[2] for t in self._tensors()}
-        if widths != {self.width}:
-            raise RuntimeError(f"ragged cache out of step: tensor widths {sorted(widths)}, mask width {self.width}")
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows``, in that order (requests leaving the batch drop out).
-
-        When ``rows`` keeps every surviving row of the first ``n = len(rows)`` in place and fills the others with rows
-        from the tail (``tail_filled_order``), only those rows are copied and the tensors are narrowed to ``n`` (a
-        view): a request finishing in a batch of R does not cost a gather of all R rows of every cache tensor."""
-        n = rows.numel()
-        positions = torch.arange(n, device=rows.device)
-        moved = rows != positions
-        if bool((rows[moved] >= n).all()):
-            dst, src = positions[moved], rows[moved]
-            tensors = []
-            for t in self._tensors():
-                if dst.numel():
-                    t[dst] = t.index_select(0, src)
-                tensors.append(t[:n])
-            self._assign(tensors)
-            if dst.numel():
-                self.valid[dst] = self.valid.index_select(0, src)
-            self.valid = self.valid[:n]
-            return
-        self._assign([t.index_select(0, rows) for t in self._tensors()])
-        self.valid = self.valid.index_select(0, rows)
-
-    def append_rows(self, others: Sequence["_ColumnAligned"]) -> None:
-        """Add the rows of ``others`` (requests joining); narrower parts are padded with holes on the right."""
-        parts = [self, *others]
-        width = max(part.width for part in parts)
-
-        def pad(t: torch.Tensor, w: int) -> torch.Tensor:
-            return F.pad(t, (0, 0, 0, width - w)) if t.dim() == 4 else F.pad(t, (0, width - w))
-
-        columns = zip(*(part._tensors() for part in parts), strict=True)
-        self._assign([torch.cat([pad(t, part.width) for t, part in zip(ts, parts)], dim=0) for ts in columns])
-        self.valid = torch.cat([pad(part.valid, part.width) for part in parts], dim=0)
-
-    def compact(self) -> None:
-        """Squeeze the holes out: each row's valid columns move to the front, in order."""
-        lengths = self.valid.sum(dim=1)
-        width = int(lengths.max()) if lengths.numel() else 0
-        order = torch.argsort((~self.valid).to(torch.uint8), dim=1, stable=True)[:, :width]  # valid columns first
-        gathered = []
-        for t in self._tensors():
-            index = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-            gathered.append(t.gather(2, index))
-        self._assign(gathered)
-        self.valid = torch.arange(width, device=self.valid.device) < lengths[:, None]
-
-    def holes_exceed(self, fraction: float = 0.25, slack: int = 16) -> bool:
-        """Whether holes take more than ``fraction`` of the longest row (plus ``slack`` columns): time to compact."""
-        if self.width <= slack:  # never (a drafter context that was never projected has no columns at all)
-            return False
-        longest = int(self.valid.sum(dim=1).max()) if self.num_rows else 0
-        return self.width > longest + max(slack, int(longest * fraction))
-
-
-class _GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys and values are views into buffers with spare columns: a step's new columns are
-    written in place, where ``DynamicLayer.update`` concatenates (a fresh copy of the whole layer every step: for
-    SmolLM2, bf16, 2 threads, about a tenth of a decode step at 16 or 64 rows). When the engine replaces the tensors
-    (rows leaving or joining, compaction) the next update copies them once into a new buffer."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized or self.keys.dim() != 4:
-            return super().update(key_states, value_states, *args, **kwargs)
-        rows, width, new = self.keys.shape[0], self.keys.shape[-2], key_states.shape[-2]
-        buffers = getattr(self, "_spare", None)
-        if not (buffers is not None and buffers[0].shape[-2] >= width + new and buffers[0].shape[0] >= rows
-                and all(b.data_ptr() == t.data_ptr() and b.stride() == t.stride()
-                        for b, t in zip(buffers, (self.keys, self.values)))):
-            capacity = width + new + max(64, (width + new) // 4)
-            buffers = []
-            for t in (self.keys, self.values):
-                buffer = t.new_empty(t.shape[0], t.shape[1], capacity, t.shape[3])
-                buffer[:, :, :width] = t
-                buffers.append(buffer)
-            self._spare = tuple(buffers)
-        keys, values = (b[:rows] for b in self._spare)
-        keys[:, :, width:width + new] = key_states
-        values[:, :, width:width + new] = value_states
-        self.keys, self.values = keys[:, :, :width + new], values[:, :, :width + new]
-        return self.keys, self.values
-
-
-class RaggedBatchCache(_ColumnAligned):
-    """The target's ``DynamicCache`` for all active requests, one row per request, column-aligned, with ``valid``
-    [R, W] marking the columns that hold verified positions.
-
-    Invariant: the valid columns of row r hold the K/V of positions 0..n_r-1 of request r, in order. Every other
-    column is a hole (a rejected draft, block padding, or width padding from joining) that attention masks hide.
-    """
-
-    def __init__(self, target_cache: DynamicCache, valid: torch.Tensor):
-        for i, layer in enumerate(target_cache.layers):
-            if type(layer) is DynamicLayer:  # same state, appended in place
-                growing = _GrowingLayer.__new__(_GrowingLayer)
-                growing.__dict__.update(layer.__dict__)
-                target_cache.layers[i] = growing
-            elif type(layer) is not _GrowingLayer:
-                raise ValueError(
-                    f"the batched engine serves full-attention targets with a plain DynamicCache; this target's "
-                    f"cache has a {type(layer).__name__} layer (sliding-window or hybrid attention)"
-                )
-        self.target_cache = target_cache
-        self.valid = valid  # bool [R, W]
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return [t for layer in self.target_cache.layers for t in (layer.keys, layer.values)]
-
-    def _assign(self, tensors: list[torch.Tensor]) -> None:
-        it = iter(tensors)
-        for layer in self.target_cache.layers:
-            layer.keys, layer.values = next(it), next(it)
-
-    def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
-        """2D mask [R, W + Q] for a forward that appends Q block columns (``block_valid`` [R, Q])."""
-        return torch.cat([self.valid, block_valid], dim=1)
-
-    def commit(self, kept: torch.Tensor) -> None:
-        """After the cache appended Q block columns: keep the columns marked in ``kept`` [R, Q] (anchor and accepted
-        drafts), and turn the rest into holes."""
-        self.valid = torch.cat([self.valid, kept], dim=1)
-        self.check_aligned()
-
-
-class PendingFeatures(NamedTuple):
-    """Target features a row verified and has not projected yet: the first ``count`` positions of row ``row`` of a
-    step's ``taps`` (hidden states [R, Q, D] each) at ``positions`` [R, Q], shared with the step's other rows."""
-
-    taps: tuple[torch.Tensor, ...]
-    positions: torch.Tensor
-    row: int
-    count: int
-
-
-class DeferredDrafterContext(_ColumnAligned):
-    """The drafter's context K/V for all active requests, built lazily.
-
-    The target's features of each request's verified positions are kept pending (views of the verify forward's
-    hidden states, nothing is copied) and projected into context K/V only when the request next drafts, in one
-    batched projection for all the rows drafting that step. Requests that skip drafting (a zero predicted budget,
-    or a batch too large for drafts to pay) never pay for the drafter's context. The valid columns of row r hold
-    the K/V of r's positions 0..m_r-1 in order (m_r <= n_r: the rest is pending); holes are masked as in
-    ``RaggedBatchCache``, with their own compaction.
-    """
-
-    def __init__(self, drafter, num_rows: int, device, pending: list[list["PendingFeatures"]] | None = None):
-        config = drafter.config
-        dtype = next(drafter.parameters()).dtype
-        empty = torch.zeros(num_rows, config.num_key_value_heads, 0, config.head_dim, dtype=dtype, device=device)
-        self.cache = drafter.new_context_cache()
-        self.cache.keys = [empty] * config.num_hidden_layers
-        self.cache.values = [empty] * config.num_hidden_layers
-        self.valid = torch.zeros(num_rows, 0, dtype=torch.bool, device=device)
-        self.pending = pending if pending is not None else [[] for _ in range(num_rows)]
-        if len(self.pending) != num_rows:
-            raise ValueError(f"{len(self.pending)} pending lists for {num_rows} rows")
-        # pending positions per row, kept as rows come and go (the realized gate prices a catch-up every step)
-        self.pending_counts = [sum(entry.count for entry in row) for row in self.pending]
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return self.cache.keys + self.cache.values
-
-    def _assign(self, tensors: list[torch.Tensor]) -> None:
-        n = len(self.cache.keys)
-        self.cache.keys, self.cache.values = list(tensors[:n]), list(tensors[n:])
-
-    def select_rows(self, rows: torch.Tensor) -> None:
-        super().select_rows(rows)
-        rows = rows.tolist()
-        self.pending = [self.pending[i] for i in rows]
-        self.pending_counts = [self.pending_counts[i] for i in rows]
-
-    def append_rows(self, others: Sequence["DeferredDrafterContext"]) -> None:
-        super().append_rows(others)
-        self.pending = [p for part in (self, *others) for p in part.pending]
-        self.pending_counts = [n for part in (self, *others) for n in part.pending_counts]
-
-    def defer(self, features: torch.Tensor | Sequence[torch.Tensor], positions: torch.Tensor,
-              counts: Sequence[int]) -> None:
-        """Queue the first ``counts[r]`` of row r's features at positions [R, Q]. ``features``: [R, Q, taps * D], or
-        the taps' hidden states [R, Q, D] each. The whole tensors are kept, shared by the rows (no copy, not even a
-        view per row: a step at 16 requests would spend 0.2 ms slicing them); each row's slice is taken only when
-        the row drafts and they are projected."""
-        taps = (features,) if isinstance(features, torch.Tensor) else tuple(features)
-        for r, n in enumerate(counts):
-            if n:
-                self.pending[r].append(PendingFeatures(taps, positions, r, int(n)))
-                self.pending_counts[r] += int(n)
-
-    def num_pending(self, row: int) -> int:
-        return self.pending_counts[row]
-
-    def pending_positions(self, rows: Sequence[int]) -> int:
-        """Pending positions over ``rows``: what projecting them (``flush``) has to go through."""
-        return sum(self.pending_counts[r] for r in rows)
-
-    def flush(self, drafter, rows: Sequence[int]) -> None:
-        """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context
-        path) and append them as new columns; the other rows get holes there."""
-        todo = [r for r in rows if self.pending[r]]
-        if not todo:
-            return
-        device = self.valid.device
-        features = [torch.cat([torch.cat([t[e.row, : e.count] for t in e.taps], dim=-1) for e in self.pending[r]])
-                    for r in todo]
-        positions = [torch.cat([e.positions[e.row, : e.count] for e in self.pending[r]]) for r in todo]
-        counts = torch.tensor([f.shape[0] for f in features], device=device)
-        features = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
-        positions = torch.nn.utils.rnn.pad_sequence(positions, batch_first=True)
-        columns = torch.arange(features.shape[1], device=device) < counts[:, None]  # [k, n]
-        context = drafter.project_context(features)
-        rope = drafter.rotary_emb(context, positions)
-        every_row = len(todo) == self.num_rows
-        index = None if every_row else torch.tensor(todo, device=device)
-        for layer in drafter.layers:
-            keys, values = layer.self_attn.key_values(context, *rope)  # [k, heads, n, head_dim]
-            i = layer.self_attn.layer_idx
-            if not every_row:
-                keys = keys.new_zeros(self.num_rows, *keys.shape[1:]).index_copy_(0, index, keys)
-                values = values.new_zeros(self.num_rows, *values.shape[1:]).index_copy_(0, index, values)
-            self.cache.keys[i] = torch.cat([self.cache.keys[i], keys], dim=2)
-            self.cache.values[i] = torch.cat([self.cache.values[i], values], dim=2)
-        if not every_row:
-            columns = columns.new_zeros(self.num_rows, columns.shape[1]).index_copy_(0, index, columns)
-        self.valid = torch.cat([self.valid, columns], dim=1)
-        for r in todo:
-            self.pending[r] = []
-            self.pending_counts[r] = 0
-        self.check_aligned()
-
-    def rows_view(self, rows: Sequence[int]) -> tuple[DSparkContextCache, torch.Tensor]:
-        """The context cache and valid mask of ``rows`` (all rows: no copy)."""
-        if len(rows) == self.num_rows and list(rows) == list(range(self.num_rows)):
-            return self.cache, self.valid
-        index = torch.tensor(list(rows), device=self.valid.device)
-        view = DSparkContextCache(len(self.cache.keys))
-        view.keys = [k.index_select(0, index) for k in self.cache.keys]
-        view.values = [v.index_select(0, index) for v in self.cache.values]
-        return view, self.valid.index_select(0, index)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1571,62 +1207,6 @@ def nondecreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list
 def _bucket(rows: int) -> int:
     """Power-of-two bucket of a number of drafting rows (the drafter's cost is tracked per bucket)."""
     return 1 << max(0, (rows - 1).bit_length())
-
-
-def tail_filled_order(keep: Sequence[int]) -> list[int]:
-    """The new row order when only ``keep`` (ascending row indices) stay: rows already among the first ``len(keep)``
-    keep their place, and the holes there are filled by the kept rows beyond (so leaving copies a few rows only)."""
-    n = len(keep)
-    tail = iter([i for i in keep if i >= n])
-    kept = set(keep)
-    return [i if i in kept else next(tail) for i in range(n)]
-
-
-@dataclass(frozen=True)
-class PrefillCost:
-    """The price of one right-padded prefill forward over ``rows`` prompts padded to ``width``, in units of one
-    prompt token's share of the weight work: ``fixed_tokens + rows * width * (1 + width / attention_width)``.
-    ``fixed_tokens`` is what a forward costs whatever it carries (reading the weights, per-layer overheads);
-    ``attention_width`` the width at which a token's attention costs as much as the rest of its forward. Fitted
-    for SmolLM2-135M, bf16, 2 threads by ``scripts/engine_prefill_batching.py --fit`` (a forward costs 48 ms +
-    0.66 ms per padded token + 0.62 us per padded token and key, within 16% over 1-16 rows of 16-512 tokens: 73
-    tokens fixed, attention width 1067)."""
-
-    fixed_tokens: float = 73.0
-    attention_width: float = 1067.0
-
-    def __post_init__(self):
-        if not (math.isfinite(self.fixed_tokens) and self.fixed_tokens >= 0):
-            raise ValueError(f"PrefillCost.fixed_tokens must be a finite number >= 0, got {self.fixed_tokens}")
-        if not self.attention_width > 0:
-            raise ValueError(f"PrefillCost.attention_width must be > 0, got {self.attention_width}")
-
-    def __call__(self, rows: int, width: int) -> float:
-        return self.fixed_tokens + rows * width * (1.0 + width / self.attention_width)
-
-
-def _prefill_groups(requests: list[_Request], max_tokens: int, cost: PrefillCost) -> list[list[_Request]]:
-    """The cheapest split of ``requests`` (sorted by prompt length) into consecutive groups, each prefilled in one
-    right-padded forward of at most ``max_tokens`` padded tokens (a longer prompt goes alone), by ``cost``: a
-    shortest-path over the sorted order. Grouping saves a forward's fixed price; padding every prompt of a group to
-    its longest costs tokens (64 chat prompts in one batch: 2.4x the real tokens, 2-3x slower than one at a time)."""
-    lengths = [len(r.prompt_ids) for r in requests]
-    best = [0.0] + [math.inf] * len(requests)
-    start = [0] * (len(requests) + 1)
-    for end in range(1, len(requests) + 1):
-        width = lengths[end - 1]
-        for first in range(end - 1, -1, -1):
-            rows = end - first
-            if rows > 1 and rows * width > max_tokens:
-                break
-            total = best[first] + cost(rows, width)
-            if total < best[end]:
-                best[end], start[end] = total, first
-    groups, end = [], len(requests)
-    while end > 0:
-        groups.append(requests[start[end]:end])
-        end = start[end]
-    return groups[::-1]
 
 
 def _groups(params: Sequence[SamplingParams]) -> dict[tuple, list[int]]:

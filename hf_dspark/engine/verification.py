@@ -1,0 +1,107 @@
+"""Verification of a step's ragged blocks and the sharing of its verification budget: pure functions over tensors
+([R, L] drafts, [R, L + 1, V] target scores, [R, g] confidences), testable without a model."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList
+
+SCHEDULES = ("padded", "prefix", "topk")
+
+
+def _processed_probs(logits: torch.Tensor, processors: LogitsProcessorList | None) -> torch.Tensor:
+    """softmax(processors(logits)) over the last axis of [..., V] float logits. The warpers used here look at
+    scores only, so the token history passed to them is a placeholder."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if processors:
+        flat = processors(flat.new_zeros(flat.shape[0], 1, dtype=torch.long), flat)
+    return torch.softmax(flat, dim=-1).view(logits.shape)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Verification of ragged blocks (pure functions)
+# ------------------------------------------------------------------------------------------------------------------
+def greedy_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification: accept while the draft equals the target's argmax, then emit the target's own token.
+
+    Args:
+        draft_ids: [R, L] drafts (padded past ``num_drafts``).
+        num_drafts: [R] verified drafts per row (0..L).
+        target_logits: [R, L + 1, V]; position j scores the token after the block's j-th input (anchor = input 0).
+    Returns:
+        accepted [R] (leading drafts accepted) and next_tokens [R] (the correction, or the bonus token).
+    """
+    target_ids = target_logits.argmax(dim=-1)  # [R, L + 1]
+    length = draft_ids.shape[1]
+    verified = torch.arange(length, device=draft_ids.device) < num_drafts[:, None]
+    matches = (draft_ids == target_ids[:, :length]) & verified
+    accepted = matches.long().cumprod(dim=-1).sum(dim=-1)
+    return accepted, target_ids.gather(1, accepted[:, None]).squeeze(1)
+
+
+def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_probs: torch.Tensor,
+                       target_probs: torch.Tensor, generator: torch.Generator | None = None):
+    """Speculative sampling: accept draft k with probability min(1, p(x_k) / q(x_k)); at the first rejection sample
+    from norm(max(p - q, 0)); when every verified draft is accepted, sample the bonus token from p.
+
+    Args:
+        draft_ids: [R, L]; num_drafts: [R].
+        draft_probs: [R, L, V] q, exactly the distribution each draft was sampled from.
+        target_probs: [R, L + 1, V] p, the target's processed distribution at each block position.
+    Returns:
+        accepted [R] and next_tokens [R].
+    """
+    num_rows, length = draft_ids.shape
+    device = draft_ids.device
+    verified = torch.arange(length, device=device) < num_drafts[:, None]
+    p_draft = target_probs[:, :length].gather(-1, draft_ids[..., None]).squeeze(-1)
+    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
+    uniform = torch.rand(num_rows, length, device=device, generator=generator)
+    # u < p / q without dividing; q(x) > 0 because x was drawn from q.
+    accepted = ((uniform * q_draft < p_draft) & verified).long().cumprod(dim=-1).sum(dim=-1)
+    p_next = target_probs.gather(1, accepted.view(-1, 1, 1).expand(-1, 1, target_probs.shape[-1])).squeeze(1)
+    rejected = accepted < num_drafts
+    if length:
+        at = accepted.clamp(max=length - 1).view(-1, 1, 1).expand(-1, 1, draft_probs.shape[-1])
+        q_next = torch.where(rejected[:, None], draft_probs.gather(1, at).squeeze(1), 0.0)
+    else:
+        q_next = torch.zeros_like(p_next)
+    residual = (p_next - q_next).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p = q exactly cannot be rejected; guard against a rounding-level residual anyway.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
+    return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(1)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Sharing the verification budget (pure functions over [R, g] confidences)
+# ------------------------------------------------------------------------------------------------------------------
+def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Zero the confidences of positions past each request's cap ([R, g], [R]): the schedulers never admit
+    zero-survival entries, so no request is given more drafts than it may verify."""
+    positions = torch.arange(confidences.shape[1], device=confidences.device)
+    return torch.where(positions < caps[:, None].to(confidences.device), confidences.float(), 0.0)
+
+
+def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: torch.Tensor, schedule: str = "prefix",
+                   capacity: int | None = None) -> torch.Tensor:
+    """Verification lengths [R] for one step from the shared budget.
+
+    ``padded``: Algorithm 1 by width layers (``scheduling.width_schedule``), the cost of the engine's padded batch
+    B = R * (1 + max length). ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix
+    survival with early stop, SPS of the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity``
+    entries of highest survival (the capacity must come from earlier steps' confidences). Rows of requests that did
+    not draft carry zeros.
+    """
+    from ..kernels import schedule_lengths
+
+    capped = capped_confidences(confidences, caps)
+    if schedule == "padded":
+        return schedule_lengths(capped, sps_table.to(capped.device), padded=True)
+    if schedule == "prefix":
+        return schedule_lengths(capped, sps_table.to(capped.device))
+    if schedule == "topk":
+        if capacity is None:
+            raise ValueError("the top-K schedule needs a capacity")
+        return schedule_lengths(capped, capacity=int(capacity))
+    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
