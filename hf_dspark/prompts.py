@@ -83,6 +83,14 @@ def sample_prompts(records: list[dict], num_prompts: int | None, sampling: str =
     return chosen
 
 
+def iter_regenerated(data_dir: str | Path):
+    """Yield the records of a regenerated-data folder (``hf-dspark data``): finished shards only, in shard order."""
+    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
+        with open(shard, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)
+
+
 def excluded_prompt_ids(paths: list[str | Path]) -> set[str]:
     """Prompt ids to leave out, gathered from: regenerated-data folders (``hf-dspark data``: every id in their
     finished shards), calibrated-drafter folders (``hf-dspark calibrate``: the ``prompt_ids`` of their
@@ -92,8 +100,6 @@ def excluded_prompt_ids(paths: list[str | Path]) -> set[str]:
         if path.is_file():
             ids |= {line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()}
         elif path.is_dir() and any(path.glob("shard-*.jsonl")):
-            from .training.data import iter_regenerated
-
             ids |= {str(r["id"]) for r in iter_regenerated(path)}
         elif (path / "calibration_report.json").is_file():
             report = json.loads((path / "calibration_report.json").read_text(encoding="utf-8"))

@@ -9,6 +9,9 @@ Resumable and idempotent: prompts are shuffled once (seeded) and cut into shards
 file, put on disk and renamed when complete (``checkpoints.publish``), so killing the job loses at most the shard in
 progress, and a restart skips every finished shard and overwrites the temp file. ``manifest.json`` (written the same
 way) pins the settings; resuming with different settings is refused.
+
+Reading it back: ``list_shards`` / ``load_sequences`` here (what the trainer and the feature cache train on),
+``prompts.iter_regenerated`` for the records (``excluded_prompt_ids`` reads their ids; re-exported here).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..prompts import iter_regenerated  # noqa: F401  (re-exported: it lived here)
 from ..prompts import excluded_prompt_ids, load_prompts, sample_prompts
 from .checkpoints import publish, write_atomic
 
@@ -166,9 +170,31 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
             "new_sequences": new_lines, "elapsed_s": time.time() - started}
 
 
-def iter_regenerated(data_dir: str | Path):
-    """Yield the sequences of a regenerated folder (finished shards only, in shard order)."""
-    for shard in sorted(Path(data_dir).glob("shard-*.jsonl")):
+def list_shards(data_dirs: list[str]) -> list[str]:
+    """The finished shards of regenerated folders, folder by folder in shard order."""
+    shards = []
+    for d in data_dirs:
+        found = sorted(str(p) for p in Path(d).glob("shard-*.jsonl"))
+        if not found:
+            raise FileNotFoundError(f"no finished shards (shard-*.jsonl) in {d}")
+        shards.extend(found)
+    return shards
+
+
+def load_sequences(shards: list[str], max_length: int) -> list[dict]:
+    """(input_ids, loss_mask) per regenerated (conversation, turn); truncated to ``max_length``."""
+    sequences = []
+    for shard in shards:
         with open(shard, encoding="utf-8") as f:
             for line in f:
-                yield json.loads(line)
+                record = json.loads(line)
+                ids = record["prompt_ids"] + record["response_ids"]
+                mask = [0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"])
+                if len(ids) > max_length:
+                    ids, mask = ids[:max_length], mask[:max_length]
+                if sum(mask) >= 2:
+                    sequences.append({"input_ids": ids, "loss_mask": mask, "domain": record.get("domain", "chat"),
+                                      "id": record.get("id")})
+    if not sequences:
+        raise ValueError("the training data holds no sequence with at least two response tokens")
+    return sequences

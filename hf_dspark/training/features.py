@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .checkpoints import publish, write_atomic
-from .trainer import load_sequences
+from .data import load_sequences
 
 
 def shard_digest(shard: str | Path) -> str:

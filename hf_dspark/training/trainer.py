@@ -28,6 +28,8 @@ import torch
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
 from .checkpoints import STATE, TMP, latest_checkpoint, mark_complete, promote, remove_checkpoint
+from .data import list_shards, load_sequences
+from .features import FeatureStore
 from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step, leading_matches
 
 logger = logging.getLogger(__name__)
@@ -89,35 +91,6 @@ class TrainingArguments:
 # ------------------------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------------------------
-def list_shards(data_dirs: list[str]) -> list[str]:
-    shards = []
-    for d in data_dirs:
-        found = sorted(str(p) for p in Path(d).glob("shard-*.jsonl"))
-        if not found:
-            raise FileNotFoundError(f"no finished shards (shard-*.jsonl) in {d}")
-        shards.extend(found)
-    return shards
-
-
-def load_sequences(shards: list[str], max_length: int) -> list[dict]:
-    """(input_ids, loss_mask) per regenerated (conversation, turn); truncated to ``max_length``."""
-    sequences = []
-    for shard in shards:
-        with open(shard, encoding="utf-8") as f:
-            for line in f:
-                record = json.loads(line)
-                ids = record["prompt_ids"] + record["response_ids"]
-                mask = [0] * len(record["prompt_ids"]) + [1] * len(record["response_ids"])
-                if len(ids) > max_length:
-                    ids, mask = ids[:max_length], mask[:max_length]
-                if sum(mask) >= 2:
-                    sequences.append({"input_ids": ids, "loss_mask": mask, "domain": record.get("domain", "chat"),
-                                      "id": record.get("id")})
-    if not sequences:
-        raise ValueError("the training data holds no sequence with at least two response tokens")
-    return sequences
-
-
 def init_output_norm_from_target(drafter: DSparkDrafter, target) -> bool:
     """Start the drafter's final norm at the target's: its hidden states feed the target's LM head, which expects
     the target's per-channel output scale. Returns whether it applied."""
@@ -263,8 +236,6 @@ class DSparkTrainer:
         self.sequences = load_sequences(self.shards, args.max_length)
         self.features = None
         if args.features_dir:
-            from .features import FeatureStore
-
             self.features = FeatureStore(args.features_dir, self.shards, self.drafter.config.target_layer_ids,
                                          args.max_length)
         self.eval_sequences = self._load_eval_sequences() if args.eval_data_dirs else None
