@@ -263,9 +263,29 @@ def cmd_bench(args) -> int:
     for group, per_method in sorted(report.items()):
         cells = [f"{name}: {r['tokens_per_s']:.1f} tok/s x{r['speedup']:.2f}"
                  + (f" tau={r['accepted_length']:.2f}" if "accepted_length" in r else "")
+                 + _source_shares(r.get("sources")) + _time_shares(r)
+                 + (f" same={r['identical_to_baseline']}" if "identical_to_baseline" in r else "")
                  for name, r in per_method.items()]
         print(f"{group:16s} " + " | ".join(cells))
     return 0
+
+
+def _source_shares(sources: dict | None) -> str:
+    """`` [block 12% lookup 30% none 58%]``: where a method's rounds drafted from (empty without rounds)."""
+    if not sources:
+        return ""
+    total = sum(row["rounds"] for row in sources.values())
+    return " [" + " ".join(f"{name} {100 * row['rounds'] / total:.0f}%" for name, row in sorted(sources.items())) + "]"
+
+
+def _time_shares(result: dict) -> str:
+    """`` (draft 4% verify 90% loop 6%)``: where a drafting method's seconds went (empty for plain methods)."""
+    split = result.get("time_split")
+    if not split or not result.get("seconds"):
+        return ""
+    total = result["seconds"]
+    names = {"drafting_s": "draft", "verification_s": "verify", "bookkeeping_s": "loop"}
+    return " (" + " ".join(f"{names[key]} {100 * seconds / total:.0f}%" for key, seconds in split.items()) + ")"
 
 
 def cmd_calibrate(args) -> int:

@@ -60,6 +60,11 @@ class DSparkStats:
     accepts ``accepted[i]`` of them, then emits one more token from the target (the bonus or the correction).
     ``sources[i]`` says where its drafts came from: ``"block"`` (the drafter), ``"lookup"`` (prompt lookup) or
     ``"none"`` (the target decoded alone).
+
+    ``time_split()`` divides the rounds' wall time into drafting (everything the candidate generator does to propose:
+    lookup search, policy, drafter forward), verification (the target's forward and transformers' acceptance) and
+    bookkeeping (the assisted loop between a verdict and the next round: cache crop, stopping criteria, streamer).
+    On CUDA the stamps are CUDA events, read once when the split is asked for, so timing adds no sync to a round.
     """
 
     block_size: int
@@ -69,6 +74,8 @@ class DSparkStats:
     confidences: list[list[float]] = field(default_factory=list)
     confidence_logits: list[list[float]] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+    # Per round: [drafting start, drafting end, verdict, next round start or None] (floats, or CUDA events).
+    stamps: list[list[Any]] = field(default_factory=list, repr=False)
 
     def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None = None,
                   confidence_logits: list[float] | None = None, source: str | None = None) -> None:
@@ -89,6 +96,27 @@ class DSparkStats:
             row["verified"] += verified
             row["accepted"] += accepted
         return out
+
+    def add_stamps(self, started: Any, drafted: Any, verified: Any) -> None:
+        """The clock stamps of the round just recorded; the previous round's bookkeeping ends at ``started``."""
+        if self.stamps and self.stamps[-1][3] is None:
+            self.stamps[-1][3] = started
+        self.stamps.append([started, drafted, verified, None])
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds spent drafting, verifying and in the loop's bookkeeping over the rounds (the last round's
+        bookkeeping, after its verdict, is outside every round and not counted)."""
+        split = {"drafting_s": 0.0, "verification_s": 0.0, "bookkeeping_s": 0.0}
+        if not self.stamps:
+            return split
+        events = not isinstance(self.stamps[0][0], float)
+        if events:
+            torch.cuda.synchronize()
+        for stamp in self.stamps:
+            for key, (a, b) in zip(split, zip(stamp, stamp[1:])):
+                if b is not None:
+                    split[key] += a.elapsed_time(b) / 1000.0 if events else b - a
+        return split
 
     @property
     def rounds(self) -> int:
@@ -129,6 +157,7 @@ class DSparkStats:
             "accepted_length": self.accepted_length,
             "acceptance_rate": self.acceptance_rate,
             "position_acceptance": self.position_acceptance(),
+            "time_split": self.time_split(),
         }
 
     def __repr__(self) -> str:
@@ -217,6 +246,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.cache = drafter.new_context_cache()
+        # Target features of verified positions not yet in the drafter's context: rounds that do not draft from the
+        # block leave them here, and the next block draft appends them all in its own forward (one multi-position
+        # context pass costs about what a one-position pass costs).
+        self._unseen: list[torch.Tensor] = []
+        self._unseen_length = 0
         self.stats = DSparkStats(block_size=self.block_size)
         drafter.last_stats = self.stats
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
@@ -226,10 +260,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
         self._round_started: float | None = None
         self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
+        self._cuda = target.device.type == "cuda"
+        self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
-        new = input_ids.shape[1] - 1 - self.cache.length
+        new = input_ids.shape[1] - 1 - self.cache.length - self._unseen_length
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None or any(hidden_states[i] is None for i in self.hidden_state_indices):
             raise ValueError("the target did not return the hidden states the DSpark drafter needs")
@@ -241,6 +277,19 @@ class DSparkCandidateGenerator(CandidateGenerator):
             )
         device = self.drafter.device
         return torch.cat([hidden_states[i][:, :new].to(device) for i in self.hidden_state_indices], dim=-1)
+
+    def _defer_context(self, target_hidden: torch.Tensor) -> None:
+        """Keep features for the next block draft instead of running the drafter's context pass now."""
+        self._unseen.append(target_hidden)
+        self._unseen_length += target_hidden.shape[1]
+
+    def _context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Every feature the drafter's context lacks, oldest first, ending with this round's."""
+        if not self._unseen:
+            return target_hidden
+        features = torch.cat([*self._unseen, target_hidden], dim=1)
+        self._unseen, self._unseen_length = [], 0
+        return features
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -261,6 +310,21 @@ class DSparkCandidateGenerator(CandidateGenerator):
             raise ValueError(f"DSpark-assisted generate() runs one sequence at a time, got {input_ids.shape[0]}")
         if is_first_iteration:
             return input_ids, None  # the prefill forward produces the first anchor and the context features
+        started = self._stamp()
+        proposal = self._propose(input_ids, model_outputs)
+        self._stamps = (started, self._stamp())
+        return proposal
+
+    def _stamp(self) -> Any:
+        """A point in time for ``DSparkStats.time_split``: a recorded CUDA event on GPU (no sync), else a float."""
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
+        """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup)."""
         now = time.perf_counter()
         if self._round_started is not None and self._finished_round is not None:
             self.policy.record_round(*self._finished_round, now - self._round_started)
@@ -269,8 +333,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         anchor_position = input_ids.shape[1] - 1
         max_drafts = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
         if max_drafts <= 0:
-            # Only the target's own next token fits; still keep the context complete.
-            self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+            # Only the target's own next token fits: nothing to draft.
+            self._defer_context(target_hidden)
             self._pending_round = _PendingRound()
             return input_ids, None
         if self.policy.uses_lookup:
@@ -282,15 +346,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         else:
             source = "block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"
         if source == "none":
-            # The policy expects no draft worth its cost this round: the target decodes alone (context kept whole).
-            self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+            # The policy expects no draft worth its cost this round: the target decodes alone.
+            self._defer_context(target_hidden)
             self._pending_round = _PendingRound()
             return input_ids, None
         started = time.perf_counter()
         draft = self.drafter.draft(
             input_ids[:, -1],
             anchor_position,
-            target_hidden,
+            self._context_features(target_hidden),
             self.cache,
             prefix_ids=input_ids[:, :-1],
             logits_processor=self.logits_processor,
@@ -313,8 +377,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return candidates, draft.draft_logits[:, :verify]
 
     def _lookup_candidates(self, input_ids, target_hidden, tokens: torch.LongTensor, match_length: int, verify: int):
-        """A round drafted by prompt lookup: no drafter forward, only its context extended with the new features."""
-        self.drafter.extend_context(self.cache, target_hidden, self.cache.length)
+        """A round drafted by prompt lookup: no drafter forward (its features wait for the next block draft)."""
+        self._defer_context(target_hidden)
         drafts = tokens[:verify].to(input_ids.device)
         self._pending_round = _PendingRound(tokens.shape[0], verify, draft_ids=tokens.view(1, -1), source="lookup",
                                             match_length=match_length)
@@ -341,6 +405,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.generation_config.max_length = min(self.max_length, length + stop)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
+        verdict = self._stamp() if self._stamps is not None else None
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
@@ -348,6 +413,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         accepted = int(num_matches)
         self._finished_round = (source == "block", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
+        if verdict is not None:
+            self.stats.add_stamps(*self._stamps, verdict)
+            self._stamps = None
         if source == "lookup":
             self.policy.lookup.observe(match_length, verified, accepted)
         self.policy.observe(verified, accepted)

@@ -73,6 +73,51 @@ def test_hybrid_greedy_equality(tiny_targets, trained_drafters, family, profile)
         del drafter.generation_config.sps_profile
 
 
+def test_rounds_without_a_block_defer_the_drafter_context(tiny_targets, trained_drafters, family, monkeypatch):
+    """Lookup and plain rounds run no drafter forward at all: their target features reach the drafter's context in
+    the next block draft's own forward (draft() rejects a context with a gap, so the block rounds prove it whole)."""
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    calls = []
+    original = type(drafter).extend_context
+    monkeypatch.setattr(type(drafter), "extend_context",
+                        lambda self, *args, **kwargs: calls.append(1) or original(self, *args, **kwargs))
+    set_policy(drafter, "hybrid", sps_profile=DEAR_VERIFY)
+    try:
+        sources = set()
+        for prompt in random_prompts(48, 8, target.config.vocab_size, seed=2)[:3]:
+            repeated = torch.cat([prompt, prompt[:, :5], prompt], dim=1)
+            calls.clear()
+            assert_same_greedy(target, drafter, repeated, max_new_tokens=30)
+            stats = drafter.last_stats
+            sources |= set(stats.sources)
+            assert len(calls) <= stats.sources.count("block")  # no context pass of its own on other rounds
+        assert {"lookup", "block"} <= sources
+    finally:
+        set_policy(drafter, "fixed")
+        del drafter.generation_config.sps_profile
+
+
+def test_time_split_covers_the_rounds(tiny_targets, trained_drafters, family):
+    import time
+
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    set_policy(drafter, "hybrid", sps_profile=CHEAP_VERIFY)
+    try:
+        prompt = random_prompts(1, 8, target.config.vocab_size, seed=3)[0]
+        started = time.perf_counter()
+        target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter)
+        wall = time.perf_counter() - started
+        stats = drafter.last_stats
+        split = stats.time_split()
+        assert len(stats.stamps) == stats.rounds
+        assert all(seconds > 0 for seconds in split.values()), split
+        assert sum(split.values()) < wall
+        assert stats.to_dict()["time_split"] == pytest.approx(split)
+    finally:
+        set_policy(drafter, "fixed")
+        del drafter.generation_config.sps_profile
+
+
 def _hybrid(drafter):
     drafter.generation_config.verification_policy = "hybrid"
     drafter.generation_config.sps_profile = CHEAP_VERIFY

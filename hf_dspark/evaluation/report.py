@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..calibration import reliability_diagram
 from ..prompts import DOMAINS, load_prompts
 from . import metrics
 from .rollouts import MethodResult, batched_rollouts, rollout_record, summarise
@@ -94,6 +95,7 @@ def _speed_methods(drafter, ablation, settings: EvalSettings) -> dict[str, dict]
                                        "confidence_threshold": settings.speed_threshold}
         if settings.scheduler:
             methods["dspark:scheduler"] = {"assistant": True, "drafter": drafter, "verification_policy": "scheduler"}
+            methods["dspark:hybrid"] = {"assistant": True, "drafter": drafter, "verification_policy": "hybrid"}
     if ablation is not None:
         methods["dflash:fixed"] = {"assistant": True, "drafter": ablation, "verification_policy": "fixed",
                                    "num_verify_tokens": None}
@@ -426,8 +428,6 @@ def write_plots(report: dict, output: Path) -> dict[str, Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from ..calibration import reliability_diagram
 
     plots: dict[str, Path] = {}
     g = report["models"]["block_size"]

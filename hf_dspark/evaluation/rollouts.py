@@ -32,16 +32,26 @@ class MethodResult:
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     confidence_logits: list[list[float]] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per round: "block", "lookup" or "none"
+    compared: int = 0  # outputs compared with the baseline method's for the same turn
+    identical: int = 0  # ... and equal to it token for token
+    time_split: dict[str, float] = field(default_factory=dict)  # DSparkStats.time_split, summed over calls
 
-    def add(self, tokens: int, seconds: float, stats: DSparkStats | None) -> None:
+    def add(self, tokens: int, seconds: float, stats: DSparkStats | None, same_as_baseline: bool | None = None) -> None:
         self.tokens += tokens
         self.seconds += seconds
+        if same_as_baseline is not None:
+            self.compared += 1
+            self.identical += int(same_as_baseline)
         if stats is None:
             return
         self.block_size = max(self.block_size, stats.block_size)
         self.verified.extend(stats.verified)
         self.accepted.extend(stats.accepted)
         self.confidence_logits.extend(stats.confidence_logits)
+        self.sources.extend(stats.sources)
+        for key, seconds in stats.time_split().items():
+            self.time_split[key] = self.time_split.get(key, 0.0) + seconds
 
     def merge(self, other: "MethodResult") -> "MethodResult":
         self.tokens += other.tokens
@@ -50,6 +60,11 @@ class MethodResult:
         self.verified += other.verified
         self.accepted += other.accepted
         self.confidence_logits += other.confidence_logits
+        self.sources += other.sources
+        self.compared += other.compared
+        self.identical += other.identical
+        for key, seconds in other.time_split.items():
+            self.time_split[key] = self.time_split.get(key, 0.0) + seconds
         return self
 
     @property
@@ -76,6 +91,22 @@ class MethodResult:
                 position_acceptance=positions["acceptance"],
                 position_reached=positions["reached"],
             )
+            if len(self.sources) == self.rounds:
+                out["sources"] = self.by_source()
+            if self.time_split:
+                out["time_split"] = {key: round(seconds, 3) for key, seconds in self.time_split.items()}
+        if self.compared:
+            out["identical_to_baseline"] = f"{self.identical}/{self.compared}"
+        return out
+
+    def by_source(self) -> dict[str, dict[str, int]]:
+        """Rounds, verified drafts and accepted drafts per draft source."""
+        out: dict[str, dict[str, int]] = {}
+        for source, verified, accepted in zip(self.sources, self.verified, self.accepted):
+            row = out.setdefault(source, {"rounds": 0, "verified": 0, "accepted": 0})
+            row["rounds"] += 1
+            row["verified"] += verified
+            row["accepted"] += accepted
         return out
 
 
@@ -112,7 +143,9 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
     turns = record["turns"] if multi_turn else record["turns"][:1]
     histories = {name: [] for name in methods}
     results = {name: MethodResult() for name in methods}
+    baseline = next(iter(methods))
     for turn_index, turn in enumerate(turns):
+        baseline_ids, baseline_history = None, histories[baseline]
         for name, settings in methods.items():
             messages = histories[name] + [{"role": "user", "content": turn}]
             inputs = chat_inputs(tokenizer, messages)
@@ -137,7 +170,13 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
                 out = target.generate(**inputs, **kwargs)
                 elapsed = time.perf_counter() - start
             new = out[0, inputs["input_ids"].shape[1]:]
-            results[name].add(len(new), elapsed, method_drafter.last_stats if settings.get("assistant") else None)
+            if name == baseline:
+                baseline_ids, same = new, None
+            else:  # compared while the histories agree (an earlier turn that differed changes this turn's prompt)
+                same = (None if baseline_ids is None or histories[name] != baseline_history
+                        else bool(torch.equal(new, baseline_ids)))
+            results[name].add(len(new), elapsed, method_drafter.last_stats if settings.get("assistant") else None,
+                              same)
             histories[name] = messages + [{"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}]
     return results
 
