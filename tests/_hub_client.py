@@ -71,7 +71,7 @@ def pull(spec: dict) -> dict:
 
 
 def push(spec: dict) -> dict:
-    """Push through ``drafter.push_to_hub`` and ``hf-dspark push`` (including a wrong token), then pull back with
+    """Push through ``hf_dspark.hub.push_drafter`` and ``hf-dspark push`` (including a wrong token), then pull back with
     ``DSparkDrafter.from_pretrained`` and ``AutoModel`` (hf_dspark is imported here, so AutoModel resolves to its
     registered class; the plain-transformers route is exercised by ``pull``)."""
     import torch
@@ -81,7 +81,7 @@ def push(spec: dict) -> dict:
     import hf_dspark
     from hf_dspark import DSparkDrafter
     from hf_dspark.cli import main as cli
-    from hf_dspark.hub import load_report
+    from hf_dspark.hub import load_report, push_drafter
 
     repo, n, target_name = spec["repo_id"], spec["max_new_tokens"], spec["target_name"]
     result = {}
@@ -90,7 +90,7 @@ def push(spec: dict) -> dict:
     result["token_errors"] = {}
     for case, token in spec["bad_tokens"].items():  # before the repo exists, and (below) after
         try:
-            drafter.push_to_hub(repo, token=token, target_name=target_name)
+            push_drafter(drafter, repo, token=token, target_name=target_name)
             result["token_errors"][case] = None
         except PermissionError as err:
             result["token_errors"][case] = str(err)
@@ -100,7 +100,7 @@ def push(spec: dict) -> dict:
                   "--target-name", target_name])
     result["cli_wrong_token"] = {"rc": rc, "stderr": stderr.getvalue()}
 
-    result["main_commit"] = drafter.push_to_hub(repo, report=load_report(spec["report"]), target_name=target_name,
+    result["main_commit"] = push_drafter(drafter, repo, report=load_report(spec["report"]), target_name=target_name,
                                                 commit_message="Upload tiny drafter").oid
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
@@ -110,9 +110,9 @@ def push(spec: dict) -> dict:
     api = HfApi()
     result["calibrated_commit"] = api.model_info(repo, revision="calibrated").sha
     # The same branch again without calibration: the stale sts.json must go.
-    result["uncalibrated_commit"] = drafter.push_to_hub(repo, revision="calibrated", target_name=target_name).oid
+    result["uncalibrated_commit"] = push_drafter(drafter, repo, revision="calibrated", target_name=target_name).oid
     try:
-        drafter.push_to_hub(repo, token=spec["bad_tokens"]["read_only"], target_name=target_name)
+        push_drafter(drafter, repo, token=spec["bad_tokens"]["read_only"], target_name=target_name)
         result["read_only_existing_repo"] = None
     except PermissionError as err:
         result["read_only_existing_repo"] = str(err)

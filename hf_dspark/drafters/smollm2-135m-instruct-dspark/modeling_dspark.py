@@ -14,6 +14,7 @@ The context is always exactly the target features of positions ``< anchor_pos``.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -682,16 +683,6 @@ class DSparkDrafter(DSparkPreTrainedModel):
         if self.is_remote_code():
             _write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
 
-    def push_to_hub(self, repo_id: str, **kwargs):
-        """Push the complete drafter folder: ``save_pretrained`` plus ``sts.json`` when calibrated and a model card
-        (``hf_dspark.hub.push_drafter``, which takes the card's ``report`` / ``training`` / ``target_name`` too).
-        Without hf-dspark installed this is transformers' plain ``push_to_hub``."""
-        try:
-            from hf_dspark.hub import push_drafter
-        except ImportError:
-            return super().push_to_hub(repo_id, **kwargs)
-        return push_drafter(self, repo_id, **kwargs)
-
 
 def check_target_compatibility(config: DSparkConfig, target_config) -> None:
     """Raise ``ValueError`` naming the mismatch if a drafter cannot serve ``target_config``."""
@@ -783,15 +774,14 @@ def _write_custom_generate(save_directory, source_name_or_path: str | None) -> N
     target = Path(save_directory) / "custom_generate"
     target.mkdir(parents=True, exist_ok=True)
     sources = None
-    try:
-        import hf_dspark
-
-        package = Path(hf_dspark.__file__).parent
+    # Where hf-dspark is installed its files are the sources; found, not imported: the package imports this module.
+    spec = importlib.util.find_spec("hf_dspark")
+    if spec is not None and spec.origin is not None:
+        package = Path(spec.origin).parent
         sources = {"generate.py": package / "generation.py", "scheduling.py": package / "scheduling.py"}
-    except ImportError:
-        if source_name_or_path and os.path.isdir(os.path.join(source_name_or_path, "custom_generate")):
-            folder = Path(source_name_or_path) / "custom_generate"
-            sources = {name: folder / name for name in ("generate.py", "scheduling.py")}
+    elif source_name_or_path and os.path.isdir(os.path.join(source_name_or_path, "custom_generate")):
+        folder = Path(source_name_or_path) / "custom_generate"
+        sources = {name: folder / name for name in ("generate.py", "scheduling.py")}
     if sources is None:
         raise RuntimeError("cannot write custom_generate/: neither hf_dspark nor a source custom_generate/ is available")
     for name, source in sources.items():
