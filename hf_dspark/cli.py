@@ -258,6 +258,14 @@ def cmd_bench(args) -> int:
 
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(payload, indent=2))
+    if args.markdown:
+        from pathlib import Path
+
+        from .evaluation.bench_report import render_bench_markdown
+        from .evaluation.report import environment
+
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(render_bench_markdown(payload, environment()))
     for label, origin in origins.items():
         print(f"{label}: {origin}")
     for group, per_method in sorted(report.items()):
@@ -653,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--threads", type=int, default=None)
     bench.add_argument("--output", default=None, help="write the JSON report here")
+    bench.add_argument("--markdown", default=None, help="also write the report as Markdown tables here")
     bench.set_defaults(func=cmd_bench)
 
     cal = sub.add_parser("calibrate", help="Sequential Temperature Scaling of the confidence head")
