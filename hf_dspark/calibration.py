@@ -1,102 +1,25 @@
-"""Confidence calibration: Sequential Temperature Scaling (STS), ECE and ROC-AUC, reliability diagrams.
+"""Confidence calibration: Sequential Temperature Scaling (STS), reliability diagrams, calibration rollouts.
 
 STS: on held-out speculative-decoding rollouts, for block positions k = 1..g in order, pick one temperature T_k
 for the confidence logit (c_k = sigmoid(z_k / T_k)) minimising the Expected Calibration Error of the prefix
 survival a_k = prod_{i<=k} c_i against the observed event "drafts 1..k all accepted", T_1..T_{k-1} fixed.
 Dividing a logit by a positive temperature preserves order, so ROC-AUC per position is unchanged by design.
+ECE, ROC-AUC and prefix survival are ``evaluation.metrics``'s.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+# Rollouts and the calibration metrics live with the other metrics (evaluation.metrics); imported from here too.
+from .evaluation.metrics import Rollouts, expected_calibration_error, prefix_survival, roc_auc
+from .evaluation.rollouts import batched_rollouts
+
 DEFAULT_TEMPERATURE_GRID = torch.logspace(-1.3, 1.3, 131).tolist()  # 0.05 .. 20
-
-
-@dataclass
-class Rollouts:
-    """Per round: raw confidence logits [g], verified count, accepted count, and the index of the prompt the round
-    came from (rounds of one prompt are correlated, so held-out splits keep them together)."""
-
-    confidence_logits: list[list[float]] = field(default_factory=list)
-    verified: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    prompts: list[int] = field(default_factory=list)
-
-    def extend_from_stats(self, stats, prompt: int | None = None) -> None:
-        """Append the rounds of one prompt (``stats``: anything with ``confidence_logits``/``verified``/``accepted``
-        lists, e.g. ``DSparkStats`` or an evaluation ``MethodResult``); ``prompt`` defaults to a new index."""
-        if prompt is None:
-            prompt = (max(self.prompts) + 1) if self.prompts else 0
-        for logits, v, a in zip(stats.confidence_logits, stats.verified, stats.accepted):
-            if logits:
-                self.confidence_logits.append(list(logits))
-                self.verified.append(int(v))
-                self.accepted.append(int(a))
-                self.prompts.append(int(prompt))
-
-    def tensors(self):
-        return (torch.tensor(self.confidence_logits, dtype=torch.float64), torch.tensor(self.verified),
-                torch.tensor(self.accepted))
-
-    def subset(self, rows) -> "Rollouts":
-        rows = list(rows)
-        return Rollouts([self.confidence_logits[i] for i in rows], [self.verified[i] for i in rows],
-                        [self.accepted[i] for i in rows], [self.prompts[i] for i in rows] if self.prompts else [])
-
-    def to_dict(self):
-        return {"confidence_logits": self.confidence_logits, "verified": self.verified, "accepted": self.accepted,
-                "prompts": self.prompts}
-
-    @classmethod
-    def from_dict(cls, data):
-        """Also reads reports written before rounds carried their prompt index (``prompts`` then stays empty)."""
-        return cls(data["confidence_logits"], data["verified"], data["accepted"], data.get("prompts", []))
-
-
-def expected_calibration_error(probs: torch.Tensor, events: torch.Tensor, num_bins: int = 15) -> float:
-    """ECE with equal-width bins: sum_b (n_b / n) |mean(event) - mean(prob)| over non-empty bins."""
-    probs, events = probs.double().flatten(), events.double().flatten()
-    if probs.numel() == 0:
-        return float("nan")
-    bins = torch.clamp((probs * num_bins).long(), max=num_bins - 1)
-    total = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, torch.ones_like(probs))
-    conf = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, probs)
-    acc = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, events)
-    nonempty = total > 0
-    gap = (acc[nonempty] - conf[nonempty]).abs()
-    return float(gap.sum() / probs.numel())
-
-
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN if one class is missing."""
-    scores, labels = scores.double().flatten(), labels.bool().flatten()
-    positives, negatives = int(labels.sum()), int((~labels).sum())
-    if positives == 0 or negatives == 0:
-        return float("nan")
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    ranks = torch.empty_like(scores)
-    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
-    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
-    if unique.numel() < scores.numel():  # average ranks over ties
-        rank_sum = torch.zeros(unique.numel(), dtype=torch.float64).index_add_(
-            0, inverse, torch.arange(1, scores.numel() + 1, dtype=torch.float64))
-        ranks[order] = (rank_sum / counts)[inverse]
-    u = ranks[labels].sum() - positives * (positives + 1) / 2
-    return float(u / (positives * negatives))
-
-
-def prefix_survival(logits: torch.Tensor, temperatures: list[float] | None = None) -> torch.Tensor:
-    """a_k = prod_{i<=k} sigmoid(z_i / T_i): [N, g] -> [N, g]."""
-    if temperatures is not None:
-        logits = logits / torch.tensor(temperatures, dtype=logits.dtype)[: logits.shape[-1]]
-    return torch.cumprod(torch.sigmoid(logits), dim=-1)
 
 
 def _position_data(logits, verified, accepted, k: int):
@@ -324,8 +247,6 @@ def _rollout_rounds(target, tokenizer, drafter, records: list[dict], max_new_tok
                 "verified": list(map(int, stats.verified)), "accepted": list(map(int, stats.accepted))}
 
     if concurrency > 1:
-        from .evaluation.rollouts import batched_rollouts
-
         methods = {"whole block": {"assistant": True, "drafter": drafter, "verification_policy": "fixed"}}
         results = batched_rollouts(target, tokenizer, records, methods, max_new_tokens, temperature,
                                    seed + indices[0], multi_turn=False, concurrency=concurrency,

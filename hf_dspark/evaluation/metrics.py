@@ -9,7 +9,8 @@ bonus token if every verified draft was accepted, the correction otherwise).
 - position-wise conditional acceptance at k = P(draft k accepted | drafts 1..k-1 accepted and draft k verified);
 - the static-threshold sweep replays full-block rounds under ``verify while c_k >= t`` (the threshold policy's rule);
 - calibration: per position k, the predicted prefix survival a_k = prod_{i<=k} c_i against the event "drafts 1..k
-  accepted", over rounds that verified position k.
+  accepted", over rounds that verified position k (ECE, ROC-AUC; ``Rollouts`` holds the rounds), which
+  ``calibration`` fits its temperatures against.
 
 Everything here is pure (lists / tensors in, numbers out) so ``evaluate`` modules and tests can use it directly.
 """
@@ -17,11 +18,92 @@ Everything here is pure (lists / tensors in, numbers out) so ``evaluate`` module
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration import Rollouts, expected_calibration_error, prefix_survival, roc_auc
 from ..scheduling import threshold_length
+
+
+@dataclass
+class Rollouts:
+    """Per round: raw confidence logits [g], verified count, accepted count, and the index of the prompt the round
+    came from (rounds of one prompt are correlated, so held-out splits keep them together)."""
+
+    confidence_logits: list[list[float]] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    prompts: list[int] = field(default_factory=list)
+
+    def extend_from_stats(self, stats, prompt: int | None = None) -> None:
+        """Append the rounds of one prompt (``stats``: anything with ``confidence_logits``/``verified``/``accepted``
+        lists, e.g. ``DSparkStats`` or an evaluation ``MethodResult``); ``prompt`` defaults to a new index."""
+        if prompt is None:
+            prompt = (max(self.prompts) + 1) if self.prompts else 0
+        for logits, v, a in zip(stats.confidence_logits, stats.verified, stats.accepted):
+            if logits:
+                self.confidence_logits.append(list(logits))
+                self.verified.append(int(v))
+                self.accepted.append(int(a))
+                self.prompts.append(int(prompt))
+
+    def tensors(self):
+        return (torch.tensor(self.confidence_logits, dtype=torch.float64), torch.tensor(self.verified),
+                torch.tensor(self.accepted))
+
+    def subset(self, rows) -> "Rollouts":
+        rows = list(rows)
+        return Rollouts([self.confidence_logits[i] for i in rows], [self.verified[i] for i in rows],
+                        [self.accepted[i] for i in rows], [self.prompts[i] for i in rows] if self.prompts else [])
+
+    def to_dict(self):
+        return {"confidence_logits": self.confidence_logits, "verified": self.verified, "accepted": self.accepted,
+                "prompts": self.prompts}
+
+    @classmethod
+    def from_dict(cls, data):
+        """Also reads reports written before rounds carried their prompt index (``prompts`` then stays empty)."""
+        return cls(data["confidence_logits"], data["verified"], data["accepted"], data.get("prompts", []))
+
+
+def expected_calibration_error(probs: torch.Tensor, events: torch.Tensor, num_bins: int = 15) -> float:
+    """ECE with equal-width bins: sum_b (n_b / n) |mean(event) - mean(prob)| over non-empty bins."""
+    probs, events = probs.double().flatten(), events.double().flatten()
+    if probs.numel() == 0:
+        return float("nan")
+    bins = torch.clamp((probs * num_bins).long(), max=num_bins - 1)
+    total = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, torch.ones_like(probs))
+    conf = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, probs)
+    acc = torch.zeros(num_bins, dtype=torch.float64).index_add_(0, bins, events)
+    nonempty = total > 0
+    gap = (acc[nonempty] - conf[nonempty]).abs()
+    return float(gap.sum() / probs.numel())
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney U with average ranks for ties); NaN if one class is missing."""
+    scores, labels = scores.double().flatten(), labels.bool().flatten()
+    positives, negatives = int(labels.sum()), int((~labels).sum())
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    if unique.numel() < scores.numel():  # average ranks over ties
+        rank_sum = torch.zeros(unique.numel(), dtype=torch.float64).index_add_(
+            0, inverse, torch.arange(1, scores.numel() + 1, dtype=torch.float64))
+        ranks[order] = (rank_sum / counts)[inverse]
+    u = ranks[labels].sum() - positives * (positives + 1) / 2
+    return float(u / (positives * negatives))
+
+
+def prefix_survival(logits: torch.Tensor, temperatures: list[float] | None = None) -> torch.Tensor:
+    """a_k = prod_{i<=k} sigmoid(z_i / T_i): [N, g] -> [N, g]."""
+    if temperatures is not None:
+        logits = logits / torch.tensor(temperatures, dtype=logits.dtype)[: logits.shape[-1]]
+    return torch.cumprod(torch.sigmoid(logits), dim=-1)
 
 
 def _check_rounds(verified: Sequence[int], accepted: Sequence[int]) -> None:
