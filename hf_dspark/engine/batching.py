@@ -47,7 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import (
@@ -61,8 +61,14 @@ from transformers import (
 )
 
 from ..attention import packed_attention
-from ..generation import DSparkStats, is_dspark_drafter
-from ..scheduling import EXPLORE_BUDGET, OnlineSurvivalCorrection, StepsPerSecond, dynamic_topk_capacity
+from ..generation import DSparkStats, is_dspark_drafter, prompt_lookup
+from ..scheduling import (
+    EXPLORE_BUDGET,
+    LookupSurvival,
+    OnlineSurvivalCorrection,
+    StepsPerSecond,
+    dynamic_topk_capacity,
+)
 from .admission import ADMISSION_HOLD, PrefillCost, _prefill_groups, tail_filled_order
 from .cache import DeferredDrafterContext, RaggedBatchCache
 from .measurements import EngineMeasurements, measurement_key
@@ -71,6 +77,7 @@ from .verification import (
     _processed_probs,
     capped_confidences,
     greedy_verify,
+    one_hot_probs,
     schedule_batch,
     speculative_verify,
 )
@@ -83,7 +90,8 @@ from .verification import (
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 
-METHODS = ("plain", "fixed", "scheduled")
+METHODS = ("plain", "fixed", "scheduled", "hybrid")
+SCHEDULED_METHODS = ("scheduled", "hybrid")  # share the verification budget by the SPS curve
 GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
@@ -214,6 +222,7 @@ class EngineStats:
 
     active: list[int] = field(default_factory=list)
     drafting: list[int] = field(default_factory=list)
+    lookups: list[int] = field(default_factory=list)  # requests verifying a prompt-lookup draft (method "hybrid")
     verify_tokens: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # padded block width (1 + longest verification) per step
     cache_widths: list[int] = field(default_factory=list)  # target cache columns (valid and holes) each step attended
@@ -248,6 +257,7 @@ class EngineStats:
             "mean_padded_tokens_per_step": sum(a * w for a, w in zip(self.active, self.widths)) / steps,
             "mean_verify_tokens_per_request_step": sum(self.verify_tokens) / max(1, sum(self.active)),
             "drafting_fraction": sum(self.drafting) / max(1, sum(self.active)),
+            "lookup_fraction": sum(self.lookups) / max(1, sum(self.active)),
             "emitted_tokens": sum(self.emitted),
             "compactions": self.compactions, "skips": dict(sorted(self.skips.items())),
             "prefill_calls": self.prefill_calls, "held_slot_steps": self.held_slot_steps,
@@ -332,6 +342,14 @@ class _Drafts:
     confidence_logits: torch.Tensor | None = None  # [D, g] raw (before STS), recorded for calibration / eval
 
 
+class _Lookup(NamedTuple):
+    """A request's prompt-lookup draft this step (method "hybrid"): deterministic, so its q is one-hot."""
+
+    tokens: list[int]  # the continuation of the latest earlier occurrence of the request's last tokens (<= its cap)
+    match_length: int  # how many of the last tokens matched (``LookupSurvival``'s bucket)
+    confidences: torch.Tensor  # [len(tokens)] estimated conditional acceptance per position
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The engine
 # ------------------------------------------------------------------------------------------------------------------
@@ -342,8 +360,9 @@ class DSparkEngine:
         target: a decoder-only transformers model with full attention.
         drafter: a ``DSparkDrafter`` for it (not needed for ``method="plain"``).
         method: ``"plain"`` (no drafting: one token per request per step, the baseline), ``"fixed"`` (every request
-            verifies ``num_verify_tokens`` drafts, default the whole block) or ``"scheduled"`` (a shared budget per
-            step from the drafter's confidences and the SPS curve).
+            verifies ``num_verify_tokens`` drafts, default the whole block), ``"scheduled"`` (a shared budget per
+            step from the drafter's confidences and the SPS curve) or ``"hybrid"`` (``"scheduled"``, and each request
+            whose prompt lookup pays at this batch size verifies the lookup's drafts instead of the drafter's block).
         schedule: ``"padded"`` (the default: Algorithm 1 by width layers, for the padded batch this engine runs, whose
             cost is R * (1 + longest verification) tokens), ``"prefix"`` (Algorithm 1 over single entries, costed as
             if the batch were packed: R + sum of lengths) or ``"topk"`` (dynamic top-K: the capacity comes from the
@@ -424,6 +443,8 @@ class DSparkEngine:
             only make the others wait. A plain step counts its rows either way, one request what it emitted; where
             rows are out of step it is a lower bound. ``"emitted"``: the tokens the step emitted. The count is kept
             with the measurements (``EngineMeasurements.gate_tokens``): windows counted the other way are refused.
+        lookup_max_ngram: under ``"hybrid"``, the longest suffix of a request's tokens that prompt lookup matches
+            (``hf_dspark.generation.prompt_lookup``).
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
         clock: the time source of each request's timestamps (arrival, start, first token, finish: its
             ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
@@ -438,7 +459,8 @@ class DSparkEngine:
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress", seed: int = 0,
+                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress",
+                 lookup_max_ngram: int = 4, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, tokenizer=None):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -472,6 +494,8 @@ class DSparkEngine:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         if gate_tokens not in GATE_TOKENS:
             raise ValueError(f"unknown gate_tokens {gate_tokens!r}; expected one of {GATE_TOKENS}")
+        if lookup_max_ngram < 1:
+            raise ValueError(f"lookup_max_ngram must be >= 1, got {lookup_max_ngram}")
         self.target = target
         self.device = next(target.parameters()).device
         self.method = method
@@ -484,8 +508,8 @@ class DSparkEngine:
             drafter.attach_target(target)
             if next(drafter.parameters()).device != self.device:
                 raise ValueError(f"drafter is on {next(drafter.parameters()).device}, target on {self.device}")
-            if method == "scheduled" and drafter.confidence_head is None:
-                raise ValueError("method 'scheduled' needs a drafter with a confidence head; use method='fixed'")
+            if method in SCHEDULED_METHODS and drafter.confidence_head is None:
+                raise ValueError(f"method {method!r} needs a drafter with a confidence head; use method='fixed'")
             self.drafter = drafter
             self.block_size = drafter.config.block_size
             self._taps = drafter.target_hidden_states_indices()
@@ -495,14 +519,15 @@ class DSparkEngine:
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.cost_aware = cost_aware
-        self.realized_gate = realized_gate and cost_aware and method == "scheduled"
+        self.scheduled = method in SCHEDULED_METHODS
+        self.realized_gate = realized_gate and cost_aware and self.scheduled
         self.explore_interval = explore_interval
         self.max_explore_interval = max_explore_interval
         self.explore_budget = explore_budget
         self.confidence_prior = confidence_prior
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
-                           if online_correction and method == "scheduled" else None)
+                           if online_correction and self.scheduled else None)
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
@@ -512,6 +537,9 @@ class DSparkEngine:
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
         self._gate_ruled_out = False  # this step's drafting was ruled out by the realized gate alone
         self.gate_tokens = gate_tokens
+        self.lookup_max_ngram = lookup_max_ngram
+        # method "hybrid": per-position acceptance of lookup drafts by match length, learnt from their own rounds
+        self.lookup = LookupSurvival(self.block_size) if method == "hybrid" else None
         self.adapt_sps = (sps is None) if adapt_sps is None else adapt_sps
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_cost = PrefillCost() if prefill_cost is None else prefill_cost
@@ -613,11 +641,14 @@ class DSparkEngine:
         caps = [min(self.block_size, left - 1) for left in remaining]
         representative = self._representative()
 
-        if self.method == "scheduled":
+        if self.scheduled:
             self._profiled_table(len(rows))  # a first profile (cached afterwards) is not part of any step's time
         t0 = time.perf_counter()
-        capacity = self._topk_capacity(caps) if self.method == "scheduled" and self.schedule == "topk" else None
-        drafting = self._drafting_rows(caps, capacity, representative)
+        # Requests whose lookup pays verify it this step instead of drafting a block (``_lookups``)
+        lookups = self._lookups(caps) if self.lookup is not None else {}
+        block_caps = [0 if i in lookups else cap for i, cap in enumerate(caps)] if lookups else caps
+        capacity = self._topk_capacity(block_caps) if self.scheduled and self.schedule == "topk" else None
+        drafting = self._drafting_rows(block_caps, capacity, representative)
         drafts = None
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
@@ -630,19 +661,20 @@ class DSparkEngine:
             started = time.perf_counter()
             drafts = self._draft(drafting)
             self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
-        lengths = self._verification_lengths(caps, drafts, capacity)
+        lengths = self._verification_lengths(caps, drafts, capacity, lookups)
         # The cost model's prediction is checked below, on the steps it decided: not those the realized gate ruled out
-        # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests).
-        checked = self.method == "scheduled" and self.cost_aware and not self._gate_ruled_out
+        # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests),
+        # nor those whose output includes lookup drafts, which the model does not price.
+        checked = self.scheduled and self.cost_aware and not self._gate_ruled_out and not lookups
         # a plain step's model price, from the table the decision used (the verify below reprices it)
         plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
         self.stats.cache_widths.append(self._cache.width)
         # row r's valid columns are its verified positions 0..length-1 (RaggedBatchCache's invariant)
         self.stats.cache_holes.append(len(rows) * self._cache.width - sum(r.length for r in rows))
         t1 = time.perf_counter()
-        accepted, next_tokens = self._verify(lengths, drafts)
+        accepted, next_tokens = self._verify(lengths, drafts, lookups)
         t2 = time.perf_counter()
-        if self.method == "scheduled" and self.adapt_sps:  # the real price of this (rows, width), for later budgets
+        if self.scheduled and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
         keep, new_counts = [], []
@@ -651,10 +683,16 @@ class DSparkEngine:
             zip(drafts.rows, drafts.confidences.tolist()))
         raw = {} if drafts is None or drafts.confidence_logits is None else dict(
             zip(drafts.rows, drafts.confidence_logits.float().tolist()))
+        proposed = {**draft_ids, **{i: lookup.tokens for i, lookup in lookups.items()}}
         for i, request in enumerate(rows):
             drafted = i in draft_ids
-            request.stats.add_round(self.block_size if drafted else 0, lengths[i], accepted[i],
-                                    confidences.get(i), raw.get(i))
+            if i in lookups and lengths[i] > 0:
+                lookup = lookups[i]
+                request.stats.add_round(len(lookup.tokens), lengths[i], accepted[i], source="lookup")
+                self.lookup.observe(lookup.match_length, lengths[i], accepted[i])
+            else:
+                request.stats.add_round(self.block_size if drafted else 0, lengths[i], accepted[i],
+                                        confidences.get(i), raw.get(i), "block" if drafted else "none")
             if drafted:
                 request.smoothed_confidences = self._smoothed(request.smoothed_confidences, confidences.get(i))
                 request.last_confidences, request.idle_steps = confidences.get(i), 0
@@ -664,7 +702,7 @@ class DSparkEngine:
             else:
                 request.idle_steps += 1
             request.length += accepted[i] + 1
-            new = request.emit(draft_ids.get(i, [])[: accepted[i]] + [next_tokens[i]])
+            new = request.emit(proposed.get(i, [])[: accepted[i]] + [next_tokens[i]])
             new_counts.append(len(new))
             finished = request.finish_reason is not None
             events.append(TokenEvent(request.request_id, new, finished, request.finish_reason))
@@ -691,6 +729,8 @@ class DSparkEngine:
                 self.stats.compactions += 1
         self.stats.active.append(len(rows))
         self.stats.drafting.append(len(drafting))
+        looked_up = sum(1 for i in lookups if lengths[i] > 0)
+        self.stats.lookups.append(looked_up)
         self.stats.verify_tokens.append(sum(lengths))
         self.stats.widths.append(1 + max(lengths))
         if drafts is not None and drafts.confidences is not None:
@@ -707,7 +747,9 @@ class DSparkEngine:
         self.stats.verify_s += t2 - t1
         seconds = time.perf_counter() - t0
         self.stats.seconds.append(seconds)
-        if self.realized_gate and representative:  # what the whole step delivered (a first step is not typical)
+        # What the whole step delivered (a first step is not typical). The gate weighs the drafter's steps against
+        # steps without it; a step with lookup drafts is neither.
+        if self.realized_gate and representative and not looked_up:
             output = emitted if self.gate_tokens == "emitted" else batch_progress(remaining, new_counts)
             self.measurements.record_step(len(rows), bool(drafting), output, seconds)
         if checked and drafting and self._prediction is not None:
@@ -768,7 +810,7 @@ class DSparkEngine:
             joining.append(self._waiting.popleft())
         if not joining:
             return []
-        prior = self.measurements.confidence_prior() if self.method == "scheduled" and self.confidence_prior else None
+        prior = self.measurements.confidence_prior() if self.scheduled and self.confidence_prior else None
         if prior is not None:
             for request in joining:  # judged by the drafts seen so far until its own first draft
                 request.last_confidences = request.smoothed_confidences = prior
@@ -1115,32 +1157,72 @@ class DSparkEngine:
                 confidence_logits[sel] = draft.confidence_logits
         return _Drafts(rows, ids, logits, confidences, confidence_logits)
 
-    def _verification_lengths(self, caps: list[int], drafts: _Drafts | None, capacity: int | None) -> list[int]:
+    def _lookups(self, caps: list[int]) -> dict[int, _Lookup]:
+        """Method "hybrid": the rows whose prompt-lookup draft is worth verifying this step, with their drafts.
+
+        Each request's lookup (``prompt_lookup`` over its prompt and tokens, up to its cap) is priced as the scheduler
+        prices a block: its ``LookupSurvival`` estimates go through Algorithm 1 with the batch's SPS curve (top-K
+        prices as ``"prefix"``, as ``_drafts_can_pay`` does), and a lookup that gets a length there replaces the
+        request's block this step. Only the request's own text and earlier rounds decide, never the target's verdict
+        on these drafts, so the choice cannot bias the output."""
+        found = {}
+        for i, (request, cap) in enumerate(zip(self._rows, caps)):
+            if cap > 0:
+                hit = prompt_lookup(torch.tensor(request.prompt_ids + request.tokens), self.lookup_max_ngram, cap)
+                if hit is not None:
+                    tokens, n = hit
+                    found[i] = _Lookup(tokens.tolist(), n, self.lookup.confidences(n, tokens.shape[0]))
+        if not found:
+            return {}
+        empty = torch.zeros(len(caps), self.block_size, device=self.device)
+        confidences, lookup_caps = self._with_lookups(empty, [0] * len(caps), found)
+        schedule = "prefix" if self.schedule == "topk" else self.schedule
+        worth = schedule_batch(confidences, lookup_caps, self._sps_table(len(caps)), schedule).tolist()
+        return {i: lookup for i, lookup in found.items() if worth[i] > 0}
+
+    @staticmethod
+    def _with_lookups(confidences: torch.Tensor, caps: list[int],
+                      lookups: dict[int, _Lookup]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``confidences`` [R, g] and ``caps`` with each lookup row's estimates and draft length in place."""
+        caps = list(caps)
+        for i, lookup in lookups.items():
+            confidences[i] = 0.0
+            confidences[i, : len(lookup.tokens)] = lookup.confidences.to(confidences.device)
+            caps[i] = len(lookup.tokens)
+        return confidences, torch.tensor(caps, device=confidences.device)
+
+    def _verification_lengths(self, caps: list[int], drafts: _Drafts | None, capacity: int | None,
+                              lookups: dict[int, _Lookup]) -> list[int]:
         lengths = [0] * len(caps)
-        if drafts is None:
+        if drafts is None and not lookups:
             return lengths
         if self.method == "fixed":
             for i in drafts.rows:
                 lengths[i] = caps[i] if self.num_verify_tokens is None else min(self.num_verify_tokens, caps[i])
             return lengths
         confidences = torch.zeros(len(caps), self.block_size, device=self.device)
-        current = drafts.confidences.float()
-        if self.correction is not None:
-            current = self.correction.correct(current)
-        confidences[torch.tensor(drafts.rows, device=self.device)] = current.to(self.device)
-        cap_tensor = torch.tensor(caps, device=self.device)
+        if drafts is not None:
+            current = drafts.confidences.float()
+            if self.correction is not None:
+                current = self.correction.correct(current)
+            confidences[torch.tensor(drafts.rows, device=self.device)] = current.to(self.device)
+        confidences, cap_tensor = self._with_lookups(confidences, caps, lookups)
         return schedule_batch(confidences, cap_tensor, self._sps_table(len(caps)), self.schedule, capacity).tolist()
 
     # --------------------------------------------------------------------------------------------------------------
     # Verification: one padded target forward over every request's block
     # --------------------------------------------------------------------------------------------------------------
-    def _verify(self, lengths: list[int], drafts: _Drafts | None) -> tuple[list[int], list[int]]:
+    def _verify(self, lengths: list[int], drafts: _Drafts | None,
+                lookups: dict[int, _Lookup]) -> tuple[list[int], list[int]]:
         rows, cache, device = self._rows, self._cache, self.device
         num_rows, width = len(rows), max(lengths) + 1
         num_drafts = torch.tensor(lengths, device=device)
         draft_ids = torch.zeros(num_rows, width - 1, dtype=torch.long, device=device)
         if drafts is not None and width > 1:
             draft_ids[torch.tensor(drafts.rows, device=device)] = drafts.ids[:, : width - 1]
+        for i, lookup in lookups.items():
+            n = min(len(lookup.tokens), width - 1)
+            draft_ids[i, :n] = torch.tensor(lookup.tokens[:n], device=device)
         anchors = torch.tensor([r.anchor for r in rows], device=device)
         block_valid = torch.arange(width, device=device) < (num_drafts + 1)[:, None]  # [R, Q]
         block = torch.cat([anchors[:, None], draft_ids], dim=1)
@@ -1167,6 +1249,10 @@ class DSparkEngine:
                     source = torch.tensor([draft_row[members[k]] for k in drafted], device=device)
                     q[torch.tensor(drafted, device=device)] = torch.softmax(
                         drafts.logits.index_select(0, source)[:, : width - 1], dim=-1)
+                looked_up = [k for k, i in enumerate(members) if i in lookups and lengths[i] > 0]
+                if looked_up:  # a lookup draft is deterministic: q is one-hot on each drafted token
+                    at = torch.tensor(looked_up, device=device)
+                    q[at] = one_hot_probs(draft_ids[sel].index_select(0, at), logits.shape[-1])
                 p = _processed_probs(logits[sel], params.warpers())
                 a, t = speculative_verify(draft_ids[sel], num_drafts[sel], q, p, self.generator)
             accepted[sel], next_tokens[sel] = a, t

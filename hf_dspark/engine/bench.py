@@ -6,7 +6,9 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 - ``plain``: the same engine without drafting (one token per request per step), the baseline;
 - ``fixed`` / ``fixed=N``: every request verifies its whole block (or N drafts) each step;
 - ``scheduled`` / ``scheduled=prefix|topk``: a shared budget per step from the drafter's confidences and the
-  profiled SPS(B) curve of the batch's total verification tokens; zero-budget requests skip drafting.
+  profiled SPS(B) curve of the batch's total verification tokens; zero-budget requests skip drafting;
+- ``hybrid`` / ``hybrid=prefix|topk``: ``scheduled``, and requests whose prompt lookup pays verify its drafts
+  instead of the drafter's block.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from .batching import SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
+from .batching import SCHEDULED_METHODS, SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
 
 
 # glibc mallopt parameters (malloc.h)
@@ -95,14 +97,14 @@ def _pretouch_heap(libc, size: int, chunk: int) -> None:
 
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
-    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine
-    keyword arguments; ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``, ``scheduled=prefix,ungated``) turns
-    the engine's realized gate off, to measure what it brings, and ``scheduled=...,emitted`` has its realized gate
-    count the tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any method takes
-    ``,hold=H`` (e.g. ``plain,hold=0``, ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure
-    what holding admissions brings; and ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded
-    forward): a ``PrefillCost`` with ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards
-    brings."""
+    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine keyword
+    arguments (``hybrid`` takes every option of ``scheduled``); ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``,
+    ``scheduled=prefix,ungated``) turns the engine's realized gate off, to measure what it brings, and
+    ``scheduled=...,emitted`` has its realized gate count the tokens each step emitted (``gate_tokens="emitted"``)
+    instead of the batch's progress. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
+    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings; and
+    ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded forward): a ``PrefillCost`` with
+    ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards brings."""
     head, *options = spec.split(",")
     name, _, value = head.partition("=")
     kwargs: dict = {}
@@ -128,18 +130,18 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         if value and not value.isdigit():
             raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
-    if name == "scheduled":
+    if name in SCHEDULED_METHODS:
         options = ([value] if value else []) + rest
         flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            form = "scheduled[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
+            form = f"{name}[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
             raise ValueError(f"method {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
-        out = {"method": "scheduled", "schedule": schedules[0] if schedules else default_schedule}
+        out = {"method": name, "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N] or scheduled[=padded|prefix|topk][,ungated]"
-                     f"[,emitted], each with optional ,hold=H and ,prefill=F")
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N], scheduled[=padded|prefix|topk][,ungated]"
+                     f"[,emitted] or hybrid with the options of scheduled, each with optional ,hold=H and ,prefill=F")
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:
@@ -151,7 +153,7 @@ def measurements_from_report(path, methods: list[str]) -> dict:
     from .measurements import EngineMeasurements
 
     data = json.loads(Path(path).read_text())
-    scheduled = [m for m in methods if parse_method(m)["method"] == "scheduled"]
+    scheduled = [m for m in methods if parse_method(m)["method"] in SCHEDULED_METHODS]
     if "key" in data:  # one EngineMeasurements file
         return {m: EngineMeasurements.from_dict(data) for m in scheduled}
     saved = data.get("measurements") or {}
@@ -237,7 +239,7 @@ def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: i
     """An engine for one method (``parse_method``'s keyword arguments, and ``extra`` ones); scheduled ones price their
     budget from ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
     kwargs = {**engine_kwargs, **extra}
-    if kwargs["method"] == "scheduled":
+    if kwargs["method"] in SCHEDULED_METHODS:
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
         kwargs["measurements"] = measurements
@@ -442,7 +444,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     greedy = temperature == 0
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=not greedy,
                             temperature=temperature if not greedy else 1.0, top_p=top_p)
-    if sps is None and any(s["method"] == "scheduled" for s in specs.values()):
+    if sps is None and any(s["method"] in SCHEDULED_METHODS for s in specs.values()):
         from ..profiling import load_or_profile_batched
 
         top = max(concurrencies)
@@ -453,7 +455,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}
-    scheduled = [name for name, spec in specs.items() if spec["method"] == "scheduled"]
+    scheduled = [name for name, spec in specs.items() if spec["method"] in SCHEDULED_METHODS]
     unknown = sorted(set(measurements) - set(scheduled))
     if unknown:
         raise ValueError(f"starting measurements for {unknown}, which are not scheduled methods of this run")
@@ -491,7 +493,7 @@ def _baselines(specs: dict[str, dict], name: str) -> list[str]:
     plain = _plain(specs)
     fixed = [other for other, spec in specs.items() if spec["method"] == "fixed"]
     return ([plain] if plain is not None and name != plain else []) + (
-        fixed if specs[name]["method"] == "scheduled" else [])
+        fixed if specs[name]["method"] in SCHEDULED_METHODS else [])
 
 
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],

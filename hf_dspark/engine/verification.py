@@ -73,6 +73,11 @@ def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_
     return accepted, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
+def one_hot_probs(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """q [..., V] of deterministic drafts (prompt lookup): all the mass on each drafted token of ``draft_ids``."""
+    return torch.nn.functional.one_hot(draft_ids, vocab_size).float()
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Sharing the verification budget (pure functions over [R, g] confidences)
 # ------------------------------------------------------------------------------------------------------------------
