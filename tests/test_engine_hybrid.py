@@ -97,7 +97,7 @@ def test_hybrid_validation(tiny_targets):
 # ------------------------------------------------------------------------------------------------------------------
 # Sampling: a lookup draft's q is one-hot
 # ------------------------------------------------------------------------------------------------------------------
-SAMPLING_HYBRID = dict(method="hybrid", sps=FLAT_SPS, cost_aware=False)
+SAMPLING_HYBRID = dict(method="hybrid", sps=DECREASING_SPS, cost_aware=False)  # per-request curve: 3000 rows
 
 
 def test_hybrid_sampling_matches_target_distribution_per_request(sampling_setup):  # noqa: F811
