@@ -72,7 +72,8 @@ def target_greedy_sequences(target, prompts, new_tokens: int):
     return torch.cat(out), prompts[0].shape[1]
 
 
-def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head: str = "markov", seed: int = 0):
+def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head: str = "markov", seed: int = 0,
+                            **overrides):
     """Train a drafter on the target's own greedy continuations so most drafts get accepted."""
     vocab = target.config.vocab_size
     prompts = random_prompts(48, 8, vocab, seed=seed + 1)
@@ -80,7 +81,7 @@ def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head:
     loss_mask = torch.zeros_like(sequences, dtype=torch.bool)
     loss_mask[:, prompt_len:] = True
     drafter = make_drafter(target, head=head, block_size=block_size, seed=seed, num_hidden_layers=2,
-                           initializer_range=0.02)
+                           initializer_range=0.02, **overrides)
     with torch.no_grad():
         out = target(sequences, output_hidden_states=True)
         features = drafter.gather_target_hidden(out.hidden_states, drafter.config.target_layer_ids)

@@ -109,3 +109,50 @@ def test_wrong_q_is_detected(setup, monkeypatch):
     counts, _ = sample_pairs(target, drafter, prompt, 0.7, 4, SAMPLES, seed=11)
     pvalue = chi_square_pvalue(counts, exact)
     assert pvalue < 1e-3, f"the test has no power: a wrong q passed (p={pvalue:.2e})"
+
+
+@pytest.fixture(scope="module")
+def setup_draft_vocab(setup):
+    """A drafter that samples in a 4-token draft vocabulary: with temperature and top-k (value-only warpers) it draws
+    from those warpers over the draft vocabulary, and that distribution is the q it reports."""
+    target, _, prompt = setup
+    drafter = train_drafter_on_target(target, steps=150, block_size=4, draft_vocab_size=4)
+    assert drafter.draft_vocab is not None and drafter.draft_vocab.numel() == 4
+    return target, drafter, prompt
+
+
+def test_sampling_in_the_draft_vocabulary_with_warpers(setup_draft_vocab, monkeypatch):
+    target, drafter, prompt = setup_draft_vocab
+    drafted_in_draft_space = []
+    original = type(drafter).sample_block
+
+    def recording(self, *args, **kwargs):
+        draft = original(self, *args, **kwargs)
+        drafted_in_draft_space.append(draft.to_full_vocab is not None)
+        return draft
+
+    monkeypatch.setattr(type(drafter), "sample_block", recording)
+    exact = exact_pair_distribution(target, prompt, 0.7, 3)
+    counts, accepted_per_call = sample_pairs(target, drafter, prompt, 0.7, 3, SAMPLES, seed=12)
+    assert drafted_in_draft_space and all(drafted_in_draft_space)
+    assert accepted_per_call > 0.3, "drafts must be accepted often for the test to exercise verification"
+    pvalue = chi_square_pvalue(counts, exact)
+    assert pvalue > 1e-3, f"draft-vocabulary sampling deviates from the target distribution (p={pvalue:.2e})"
+
+
+def test_draft_vocabulary_q_must_be_the_draft_space_one(setup_draft_vocab, monkeypatch):
+    """Reporting q without the draft-space warpers and head (the backbone's draft-vocabulary logits) must fail the
+    same test: the draft-vocabulary configuration does not weaken it."""
+    target, drafter, prompt = setup_draft_vocab
+    original = type(drafter).sample_block
+
+    def sample_block_with_full_vocab_q(self, base_logits, *args, **kwargs):
+        draft = original(self, base_logits, *args, **kwargs)
+        draft.draft_logits = self.to_full_vocab(base_logits.float())
+        return draft
+
+    monkeypatch.setattr(type(drafter), "sample_block", sample_block_with_full_vocab_q)
+    exact = exact_pair_distribution(target, prompt, 0.7, 3)
+    counts, _ = sample_pairs(target, drafter, prompt, 0.7, 3, SAMPLES, seed=12)
+    pvalue = chi_square_pvalue(counts, exact)
+    assert pvalue < 1e-3, f"the test has no power: a wrong q passed (p={pvalue:.2e})"

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
+from transformers.generation import logits_process
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
@@ -228,6 +229,20 @@ class DSparkConfidenceHead(nn.Module):
     def forward(self, hidden: torch.Tensor, prev_embedding: torch.Tensor | None) -> torch.Tensor:
         features = hidden if prev_embedding is None else torch.cat([hidden, prev_embedding.to(hidden.dtype)], dim=-1)
         return self.proj(features).squeeze(-1)
+
+
+# Warpers that see only the scores' values, never token ids (each is equivariant under a permutation of the
+# vocabulary): applied to draft-vocabulary scores they give a distribution over the draft vocabulary, which is a
+# valid q for rejection sampling as long as it is the one the draft was drawn from (it is, and it goes to the
+# verifier scattered into the full vocabulary with q = 0 elsewhere).
+VALUE_ONLY_WARPERS = tuple(getattr(logits_process, name) for name in (
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper") if hasattr(logits_process, name))
+
+
+def value_only(processors: LogitsProcessorList) -> bool:
+    """True when every processor is one of ``VALUE_ONLY_WARPERS`` (exact types: a subclass may read token ids)."""
+    return all(type(processor) in VALUE_ONLY_WARPERS for processor in processors)
 
 
 class SequentialHeadLogitsProcessor(LogitsProcessor):
@@ -621,22 +636,24 @@ class DSparkDrafter(DSparkPreTrainedModel):
         base = base_logits.float()
         g = base.shape[1]
         draft_vocab = None if self.draft_vocab is None else self.draft_vocab.to(base.device)
-        # Without user processors, sample directly in the draft vocabulary: the same distribution as the full
-        # vocabulary with -inf outside it, at a fraction of the cost.
-        in_draft_space = not processors
+        # Sample directly in the draft vocabulary (a fraction of the full vocabulary's cost per step) when no
+        # processor reads token ids: without processors that is the same distribution as the full vocabulary with
+        # -inf outside it; with value-only warpers (temperature, top-k/p, ...) it is those warpers over the draft
+        # vocabulary, still the exact q each draft was drawn from, which is all lossless verification needs.
+        in_draft_space = self.draft_vocab is not None and value_only(processors)
         steps = []
         for k in range(g):
             # q_k: the exact distribution x_k is drawn from (sequential head, then every processor over the full
             # vocabulary, with the actually sampled prefix).
             scores = base[:, k] if head is None else head(sequence, base[:, k])
-            if not in_draft_space:
-                scores = processors(sequence, self.to_full_vocab(scores))
+            if processors:
+                scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
             steps.append(scores)
             if do_sample:
                 index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
             else:
                 index = scores.argmax(dim=-1, keepdim=True)
-            token = draft_vocab[index] if (in_draft_space and draft_vocab is not None) else index
+            token = draft_vocab[index] if in_draft_space else index
             sequence = torch.cat([sequence, token], dim=-1)
         draft_logits = torch.stack(steps, dim=1)
         draft_ids = sequence[:, -base_logits.shape[1] :]
@@ -650,7 +667,7 @@ class DSparkDrafter(DSparkPreTrainedModel):
             hidden_states=hidden,
             confidence_logits=confidence_logits,
             confidences=confidences,
-            to_full_vocab=self.to_full_vocab if in_draft_space and self.draft_vocab is not None else None,
+            to_full_vocab=self.to_full_vocab if in_draft_space else None,
         )
 
     # ----------------------------------------------------------------------------------------------------------
