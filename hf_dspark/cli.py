@@ -773,7 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most requests in the batch at once (one run per value; default 1 4 16 64, or 1 with "
                             "--interleave)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
-                       help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk; append ',ungated' "
+                       help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk | hybrid (scheduled, "
+                            "plus per-request prompt lookup; hybrid=SCHEDULE too); append ',ungated' "
                             "(or scheduled=ungated) to turn the realized gate off, ',emitted' to have the gate "
                             "count emitted tokens (gate_tokens); "
                             "append ',hold=H' to any method to "
