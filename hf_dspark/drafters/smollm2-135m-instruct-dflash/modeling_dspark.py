@@ -643,8 +643,8 @@ class DSparkDrafter(DSparkPreTrainedModel):
         in_draft_space = self.draft_vocab is not None and value_only(processors)
         steps = []
         for k in range(g):
-            # q_k: the exact distribution x_k is drawn from (sequential head, then every processor over the full
-            # vocabulary, with the actually sampled prefix).
+            # q_k: the exact distribution x_k is drawn from (sequential head, then every processor, over the draft
+            # or the full vocabulary as chosen above, with the actually sampled prefix).
             scores = base[:, k] if head is None else head(sequence, base[:, k])
             if processors:
                 scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
