@@ -192,7 +192,7 @@ def cmd_train(args) -> int:
         mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
         log_every=args.log_every, threads=args.threads, eval_data_dirs=args.eval_data, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences,
-        init_layers_from_target=args.init_layers_from_target,
+        init_layers_from_target=args.init_layers_from_target, add_layers=args.add_layers,
     )
     summary = DSparkTrainer(training_args).train()
     print(json.dumps(summary))
@@ -614,7 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--grad-accum", type=int, default=1)
     train.add_argument("--max-length", type=int, default=512)
     train.add_argument("--num-anchors", type=int, default=64)
-    train.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    train.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="auto",
+                       help="bf16 autocast; auto: where the device multiplies bf16 natively (CUDA, AVX512-BF16 or "
+                            "AMX CPUs), else float32")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--save-every", type=int, default=100)
     train.add_argument("--log-every", type=int, default=10)
@@ -627,6 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--init-layers-from-target", type=_int_list, default=None, metavar="IDS",
                        help="comma-separated target layer per drafter layer (0-based), e.g. 28,29: start the "
                             "drafter's layers from those target layers instead of random weights")
+    train.add_argument("--add-layers", type=int, default=0, metavar="N",
+                       help="grow --init-drafter by N decoder layers that start as no-ops (copies of its last layer "
+                            "with zeroed output projections): more capacity without losing what it learned")
     train.set_defaults(func=cmd_train)
 
     feat = sub.add_parser("features", help="cache target features of regenerated data (resumable)")

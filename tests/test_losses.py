@@ -92,3 +92,45 @@ def test_greedy_confidence_target_is_the_argmax_match():
         assert torch.equal(out[other], soft[other])
     with pytest.raises(ValueError, match="confidence_target"):
         dspark_losses(draft, target, labels, valid, z, confidence_target="argmax")
+
+
+@pytest.mark.parametrize("with_draft_vocab", [False, True])
+@pytest.mark.parametrize("cached", [False, True])
+def test_target_view_equals_the_full_softmax(with_draft_vocab, cached):
+    """The target's probabilities over the output vocabulary, its outside mass and argmax, from distinct rows in
+    chunks (or from a cached log-normaliser), equal the full-vocabulary softmax's."""
+    from hf_dspark.training.losses import TargetView, log_normalizer_and_argmax, target_view
+
+    torch.manual_seed(0)
+    rows, weight = torch.randn(37, 8), torch.randn(50, 8) * 2
+    draft_vocab = torch.tensor([0, 3, 7, 11, 20, 49]) if with_draft_vocab else None
+    reference = TargetView.from_logits(rows @ weight.T, draft_vocab)
+    lse = argmax = None
+    if cached:
+        lse, argmax = log_normalizer_and_argmax(rows, weight, chunk_rows=5)
+        torch.testing.assert_close(lse, torch.logsumexp(rows @ weight.T, -1))
+        assert argmax.dtype == torch.int32
+    view = target_view(rows, weight, draft_vocab, lse, argmax, chunk_rows=5)
+    torch.testing.assert_close(view.probs, reference.probs, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(view.outside, reference.outside, atol=1e-6, rtol=1e-5)
+    assert torch.equal(view.argmax, reference.argmax)
+    if with_draft_vocab:
+        assert float(view.outside.min()) > 0  # most of the mass lies outside six of fifty tokens
+
+
+def test_losses_from_a_target_view_equal_those_from_logits():
+    from hf_dspark.training.losses import TargetView
+
+    torch.manual_seed(1)
+    target, draft = torch.randn(2, 3, 4, 10), torch.randn(2, 3, 4, 5, requires_grad=True)
+    draft_vocab = torch.tensor([1, 2, 4, 6, 9])
+    labels = torch.randint(0, 10, (2, 3, 4))
+    valid = torch.rand(2, 3, 4) > 0.2
+    z = torch.randn(2, 3, 4)
+    a = dspark_losses(draft, target, labels, valid, z, draft_vocab=draft_vocab)
+    b = dspark_losses(draft, TargetView.from_logits(target, draft_vocab), labels, valid, z, draft_vocab=draft_vocab)
+    for key in ("loss", "ce", "tv", "confidence", "accuracy"):
+        torch.testing.assert_close(a[key], b[key])
+    assert torch.equal(a["greedy_matches"], b["greedy_matches"])
+    with pytest.raises(ValueError, match="output vocabulary"):
+        dspark_losses(draft, TargetView.from_logits(target), labels, valid, z, draft_vocab=draft_vocab)

@@ -256,3 +256,108 @@ def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
     FeatureStore(feat, shards, [0, 2], 512)
     assert cache_features(target, shards, feat, [0, 2], 512, dtype=torch.float32, progress=False)["written"] == 0
     assert (feat / features_name(shards[1])).is_file() and not (feat / _legacy_name(shards[1])).exists()
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 24])
+def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, draft_vocab_size):
+    """The training step's target view (distinct positions, chunked; or a cached log-normaliser with the draft
+    vocabulary's LM-head rows only) gives the losses and gradients of full-vocabulary target logits per block
+    position, to float32 tolerance."""
+    from hf_dspark.training.losses import drafter_training_step, log_normalizer_and_argmax
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    trainer = DSparkTrainer(make_args(tmp_path, "run", draft_vocab_size=draft_vocab_size), target=target)
+    drafter = trainer.drafter
+    batch = trainer._next_batch()
+    hidden, last = trainer._online_features(batch)
+    lse, argmax = log_normalizer_and_argmax(last.flatten(0, 1), target.get_output_embeddings().weight)
+    results = {}
+    for mode, extra in {"reference": {"reference_target": True}, "fast": {},
+                        "cached": {"target_lse": lse.view(last.shape[:2]),
+                                   "target_argmax": argmax.view(last.shape[:2])}}.items():
+        drafter.zero_grad()
+        out = drafter_training_step(drafter, hidden, last, batch["input_ids"], batch["loss_mask"], num_anchors=8,
+                                    generator=torch.Generator().manual_seed(5), **extra)
+        out["loss"].backward()
+        results[mode] = out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    reference, reference_grads = results["reference"]
+    for mode in ("fast", "cached"):
+        out, grads = results[mode]
+        for key in ("loss", "ce", "tv", "confidence", "accuracy"):
+            torch.testing.assert_close(out[key], reference[key], atol=1e-5, rtol=1e-5, msg=f"{mode} {key}")
+        assert torch.equal(out["greedy_matches"], reference["greedy_matches"])
+        for name, grad in reference_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
+
+
+def test_features_cache_stores_the_log_normalizer_and_training_uses_it(tiny_targets, tmp_path, monkeypatch):
+    from hf_dspark.training import losses
+    from hf_dspark.training.features import FeatureStore, cache_features
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    shards = [str(tmp_path / "data" / "shard-00000.jsonl")]
+    cache_features(target, shards, tmp_path / "feat", [0, 2], 512, dtype=torch.float32, progress=False)
+    store = FeatureStore(tmp_path / "feat", shards, [0, 2], 512)
+    assert store.has_log_normalizer
+    weight = target.get_output_embeddings().weight
+    logits = store.last[0] @ weight.T
+    torch.testing.assert_close(store.lse[0], torch.logsumexp(logits, -1))
+    assert torch.equal(store.argmax[0].long(), logits.argmax(-1))
+
+    seen = []
+    original = losses.target_view
+    monkeypatch.setattr(losses, "target_view", lambda *a, **k: seen.append(a[3] is not None) or original(*a, **k))
+    trainer = DSparkTrainer(make_args(tmp_path, "cached", max_steps=2, draft_vocab_size=24,
+                                      features_dir=str(tmp_path / "feat")), target=target)
+    trainer.train(progress=False)
+    assert seen == [True, True]  # each step read the cached log-normaliser
+
+
+def test_training_log_reports_throughput_and_time_split(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    DSparkTrainer(make_args(tmp_path, "run", max_steps=2), target=target).train(progress=False)
+    for entry in map(json.loads, open(tmp_path / "run" / "train_log.jsonl")):
+        assert entry["blocks_per_s"] > 0
+        shares = [entry[f"time_{phase}"] for phase in ("target", "drafter", "optimizer")]
+        assert all(0 < s < 1 for s in shares) and abs(sum(shares) - 1) < 1e-9
+
+
+def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
+    from hf_dspark.training import trainer as module
+
+    assert module.resolve_mixed_precision("no", "cpu") == "no"
+    assert module.resolve_mixed_precision("bf16", "cpu") == "bf16"
+    with pytest.raises(ValueError, match="mixed_precision"):
+        module.resolve_mixed_precision("fp8", "cpu")
+    for flags, expected in ((["avx2", "fma"], "no"), (["avx512f", "avx512_bf16"], "bf16"), (["amx_bf16"], "bf16")):
+        monkeypatch.setattr(module, "_cpu_flags", lambda flags=flags: flags)
+        assert module.resolve_mixed_precision("auto", "cpu") == expected
+
+
+def test_grown_drafter_starts_as_the_same_function_and_trains(tiny_targets, tmp_path):
+    from hf_dspark.training.losses import drafter_training_step
+
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=8)
+    DSparkTrainer(make_args(tmp_path, "base", max_steps=2), target=target).train(progress=False)
+    base = tmp_path / "base" / "drafter"
+    grown = DSparkTrainer(make_args(tmp_path, "grown", max_steps=2, init_drafter=str(base), add_layers=1),
+                          target=target)
+    assert len(grown.drafter.layers) == grown.drafter.config.num_hidden_layers == 2
+    original = DSparkDrafter.from_pretrained(base)
+    original.attach_target(target)
+    batch = grown._next_batch()
+    hidden, last = grown._online_features(batch)
+    outs = [drafter_training_step(d, hidden, last, batch["input_ids"], batch["loss_mask"], num_anchors=8,
+                                  generator=torch.Generator().manual_seed(2)) for d in (original, grown.drafter)]
+    for key in ("loss", "ce", "tv", "confidence"):
+        torch.testing.assert_close(outs[1][key], outs[0][key], msg=key)
+    grown.train(progress=False)
+    saved = DSparkDrafter.from_pretrained(tmp_path / "grown" / "drafter")
+    assert saved.config.num_hidden_layers == 2
+    assert float(saved.layers[1].self_attn.o_proj.weight.abs().sum()) > 0  # the new layer learned
+    with pytest.raises(ValueError, match="init_drafter"):
+        DSparkTrainer(make_args(tmp_path, "fresh", add_layers=1), target=target)

@@ -1,8 +1,12 @@
 """Cached target features: the hidden states of ``target_layer_ids`` (concatenated) and the final pre-LM-head
-hidden state for every token of the regenerated data, in fp16/bf16 safetensors shards (one per data shard).
+hidden state for every token of the regenerated data, in fp16/bf16 safetensors shards (one per data shard), with
+the target's full-vocabulary log-normaliser and argmax at every token.
 
-Training then reads features instead of running the target each epoch; target logits are recomputed from the final
-hidden state only at supervised block positions (storing full-vocabulary logits would be prohibitive).
+Training then reads features instead of running the target each epoch; target probabilities are recomputed from the
+final hidden state only at supervised block positions (storing full-vocabulary logits would be prohibitive), and
+with the stored log-normaliser only over the draft vocabulary (``losses.target_view``). The log-normaliser is
+computed from the final hidden state as stored (rounded to the cache's dtype), so it normalises exactly the logits
+training recomputes. Files written before it was stored are still read; training then computes it per batch.
 Resumable: a features shard is written to a temporary file, put on disk and renamed (``checkpoints.publish``), so
 after a crash a features file is whole or absent; finished shards are skipped, a leftover temporary file is overwritten.
 
@@ -25,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from .checkpoints import publish, write_atomic
 from .data import load_sequences
+from .losses import log_normalizer_and_argmax
 
 
 def shard_digest(shard: str | Path) -> str:
@@ -89,6 +94,7 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         write_atomic(meta_path, json.dumps(meta, indent=2))
     indices = [i + 1 for i in target_layer_ids]
     last = target.config.get_text_config().num_hidden_layers
+    lm_head = target.get_output_embeddings()
     written = 0
     mine = [shard for i, shard in enumerate(shards) if i % num_workers == worker_index]
     for shard in tqdm(mine, desc="target features", disable=not progress):
@@ -99,7 +105,7 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
         sequences = load_sequences([shard], max_length)
         if _adopt_legacy(final, shard, [len(s["input_ids"]) for s in sequences]):
             continue
-        hidden_rows, last_rows, lengths = [], [], []
+        hidden_rows, last_rows, lse_rows, argmax_rows, lengths = [], [], [], [], []
         for start in range(0, len(sequences), batch_size):
             batch = sequences[start : start + batch_size]
             width = max(len(s["input_ids"]) for s in batch)
@@ -114,11 +120,16 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
             for row, s in enumerate(batch):
                 n = len(s["input_ids"])
                 hidden_rows.append(taps[row, :n].to(dtype).cpu())
-                last_rows.append(out.hidden_states[last][row, :n].to(dtype).cpu())
+                stored = out.hidden_states[last][row, :n].to(dtype)
+                lse, top = log_normalizer_and_argmax(stored, lm_head.weight)
+                last_rows.append(stored.cpu())
+                lse_rows.append(lse.cpu())
+                argmax_rows.append(top.cpu())
                 lengths.append(n)
         offsets = torch.tensor([0] + lengths).cumsum(0)
         tmp = final.with_suffix(".tmp")
-        save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "offsets": offsets},
+        save_file({"hidden": torch.cat(hidden_rows), "last": torch.cat(last_rows), "lse": torch.cat(lse_rows),
+                   "argmax": torch.cat(argmax_rows), "offsets": offsets},
                   str(tmp), metadata={"shard": Path(shard).name, "shard_sha256_16": digest})
         publish(tmp, final)
         written += 1
@@ -126,7 +137,8 @@ def cache_features(target, shards: list[str], output_dir: str | Path, target_lay
 
 
 class FeatureStore:
-    """Features of the sequences of ``shards`` (same order as ``load_sequences``), loaded into memory."""
+    """Features of the sequences of ``shards`` (same order as ``load_sequences``), loaded into memory.
+    ``has_log_normalizer`` says whether every file holds the target's log-normaliser and argmax."""
 
     def __init__(self, features_dir: str | Path, shards: list[str], target_layer_ids: list[int], max_length: int):
         features_dir = Path(features_dir)
@@ -136,7 +148,8 @@ class FeatureStore:
                 f"features in {features_dir} were cached for target_layer_ids={meta['target_layer_ids']}, "
                 f"max_length={meta['max_length']}; the run wants {list(target_layer_ids)}, {max_length}"
             )
-        self.hidden, self.last = [], []
+        self.hidden, self.last, self.lse, self.argmax = [], [], [], []
+        self.has_log_normalizer = True
         for shard in shards:
             path = features_dir / features_name(shard)
             if not path.is_file():
@@ -147,15 +160,26 @@ class FeatureStore:
             lengths = [len(s["input_ids"]) for s in load_sequences([shard], max_length)]
             _check_lengths(path, blob["offsets"], shard, lengths)
             offsets = blob["offsets"].tolist()
+            self.has_log_normalizer &= "lse" in blob and "argmax" in blob
             for a, b in zip(offsets[:-1], offsets[1:]):
                 self.hidden.append(blob["hidden"][a:b])
                 self.last.append(blob["last"][a:b])
+                if "lse" in blob and "argmax" in blob:
+                    self.lse.append(blob["lse"][a:b])
+                    self.argmax.append(blob["argmax"][a:b])
 
-    def batch(self, indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, indices: list[int], width: int):
+        """``(hidden, last, lse, argmax)`` of sequences ``indices``, zero-padded to ``width`` positions; ``lse``
+        and ``argmax`` are None unless every file holds them."""
         hidden = torch.zeros(len(indices), width, self.hidden[0].shape[-1])
         last = torch.zeros(len(indices), width, self.last[0].shape[-1])
+        lse = torch.zeros(len(indices), width) if self.has_log_normalizer else None
+        argmax = torch.zeros(len(indices), width, dtype=torch.long) if self.has_log_normalizer else None
         for row, i in enumerate(indices):
             n = self.hidden[i].shape[0]
             hidden[row, :n] = self.hidden[i].float()
             last[row, :n] = self.last[i].float()
-        return hidden, last
+            if lse is not None:
+                lse[row, :n] = self.lse[i]
+                argmax[row, :n] = self.argmax[i].long()
+        return hidden, last, lse, argmax

@@ -101,9 +101,77 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-torch.arange(block_size, device=device, dtype=torch.float32) / gamma)
 
 
+@dataclass
+class TargetView:
+    """What the losses read of the target at each supervised position: its probabilities over the drafter's output
+    vocabulary (the draft vocabulary, or the full one), the probability mass outside that vocabulary, and its argmax
+    token id. Full-vocabulary target logits are never kept per block position: ``target_view`` builds this from
+    distinct positions only."""
+
+    probs: torch.Tensor  # [..., V_out] float32
+    outside: torch.Tensor  # [...] float32 (zeros without a draft vocabulary)
+    argmax: torch.Tensor  # [...] long, target token ids
+
+    @classmethod
+    def from_logits(cls, target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None) -> "TargetView":
+        """The reference construction: softmax over the full vocabulary, then the draft vocabulary's columns."""
+        probs = F.softmax(target_logits.float(), dim=-1)
+        argmax = target_logits.argmax(-1)
+        if draft_vocab is None:
+            return cls(probs, probs.new_zeros(probs.shape[:-1]), argmax)
+        probs = probs.index_select(-1, draft_vocab)
+        return cls(probs, (1 - probs.sum(dim=-1)).clamp(min=0), argmax)
+
+    def expand(self, inverse: torch.Tensor, shape: tuple[int, ...]) -> "TargetView":
+        """Rows ``inverse`` of a view over distinct positions, shaped ``shape`` (the block positions)."""
+        return TargetView(self.probs[inverse].view(*shape, -1), self.outside[inverse].view(shape),
+                          self.argmax[inverse].view(shape))
+
+
+@torch.no_grad()
+def target_view(rows: torch.Tensor, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor | None = None,
+                lse: torch.Tensor | None = None, argmax: torch.Tensor | None = None,
+                chunk_rows: int = 256) -> TargetView:
+    """The target's view at hidden-state ``rows`` [U, D] (final, post-norm): ``softmax(rows @ W^T)`` restricted
+    to ``draft_vocab``, its outside mass and argmax, without materialising more than ``chunk_rows`` full-vocabulary
+    logit rows at a time. With the full-vocabulary log-normaliser ``lse`` [U] and ``argmax`` [U] given (cached
+    with the features), only the draft vocabulary's rows of the LM head are multiplied: a sixth of the work for an
+    8192-token draft vocabulary of a 49152-token target."""
+    weight = lm_head_weight.detach()
+    rows = rows.to(weight.dtype)
+    if lse is not None and argmax is not None and draft_vocab is not None:
+        logits = F.linear(rows, weight.index_select(0, draft_vocab)).float()
+        probs = torch.exp(logits - lse.float().unsqueeze(-1))
+        return TargetView(probs, (1 - probs.sum(dim=-1)).clamp(min=0), argmax.long())
+    parts = []
+    for start in range(0, rows.shape[0], chunk_rows):
+        parts.append(TargetView.from_logits(F.linear(rows[start : start + chunk_rows], weight), draft_vocab))
+    if not parts:
+        width = weight.shape[0] if draft_vocab is None else draft_vocab.numel()
+        empty = rows.new_zeros(0, dtype=torch.float32)
+        return TargetView(rows.new_zeros(0, width, dtype=torch.float32), empty, empty.long())
+    return TargetView(*(torch.cat([getattr(p, k) for p in parts]) for k in ("probs", "outside", "argmax")))
+
+
+@torch.no_grad()
+def log_normalizer_and_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk_rows: int = 256):
+    """``logsumexp`` and ``argmax`` of ``hidden @ W^T`` over the full vocabulary, per row of ``hidden`` [N, D]
+    (float32 [N], int32 [N]), ``chunk_rows`` at a time: what a features cache stores so that training multiplies
+    only the draft vocabulary's rows of the LM head."""
+    weight = lm_head_weight.detach()
+    lse, top = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logits = F.linear(hidden[start : start + chunk_rows].to(weight.dtype), weight).float()
+        lse.append(torch.logsumexp(logits, dim=-1))
+        top.append(logits.argmax(-1).int())
+    if not lse:
+        return hidden.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.int32)
+    return torch.cat(lse), torch.cat(top)
+
+
 def dspark_losses(
     draft_logits: torch.Tensor,  # [b, A, g, V] base logits + teacher-forced sequential bias
-    target_logits: torch.Tensor,  # [b, A, g, V] target logits at anchor + k
+    target_logits: torch.Tensor | TargetView,  # [b, A, g, V] target logits at anchor + k, or their TargetView
     labels: torch.Tensor,  # [b, A, g]
     valid: torch.Tensor,  # [b, A, g]
     confidence_logits: torch.Tensor | None,  # [b, A, g]
@@ -120,20 +188,26 @@ def dspark_losses(
 
     ``confidence_target`` is what the confidence head learns to predict: ``"sampling"`` (the paper) the analytic
     acceptance rate of speculative sampling, ``1 - 0.5 * ||p_d - p_t||_1``; ``"greedy"`` the acceptance event of
-    greedy verification, 1 where the draft's argmax is the target's argmax, else 0."""
+    greedy verification, 1 where the draft's argmax is the target's argmax, else 0.
+
+    ``target_logits`` may be a ``TargetView`` (what ``drafter_training_step`` passes): the same losses without
+    full-vocabulary tensors per block position."""
     if confidence_target not in CONFIDENCE_TARGETS:
         raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
     w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
     denom = w.sum().clamp(min=1e-6)
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
-    p_t = F.softmax(target_logits.float(), dim=-1)
+    target = target_logits if isinstance(target_logits, TargetView) else TargetView.from_logits(target_logits,
+                                                                                                 draft_vocab)
+    if target.probs.shape != log_pd.shape:
+        raise ValueError(f"target probabilities {tuple(target.probs.shape)} do not match the draft logits "
+                         f"{tuple(log_pd.shape)}: the target view must cover the drafter's output vocabulary")
+    p_t, outside = target.probs, target.outside
     draft_labels, in_vocab = labels, torch.ones_like(valid)
-    outside = 0.0
     if draft_vocab is not None:
-        p_t = p_t.index_select(-1, draft_vocab)
-        outside = (1 - p_t.sum(dim=-1)).clamp(min=0)
-        lookup = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        vocab_size = max(int(draft_vocab.max()), int(labels.max())) + 1
+        lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
         lookup[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
         draft_labels = lookup[labels]
         in_vocab = draft_labels >= 0
@@ -150,7 +224,7 @@ def dspark_losses(
             predicted = draft_vocab[predicted]
         out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
         # Greedy acceptance events with teacher-forced previous tokens: the draft's argmax is the target's argmax.
-        out["greedy_matches"] = (predicted == target_logits.argmax(-1)) & valid
+        out["greedy_matches"] = (predicted == target.argmax) & valid
     if confidence_logits is not None:
         if confidence_target == "greedy":
             label = out["greedy_matches"].float()
@@ -174,14 +248,20 @@ def leading_matches(matches: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids, loss_mask, num_anchors: int,
                           gamma: float = 4.0, weights: dict[str, float] | None = None,
                           generator: torch.Generator | None = None,
-                          confidence_target: str = "sampling") -> dict[str, torch.Tensor]:
+                          confidence_target: str = "sampling", target_lse: torch.Tensor | None = None,
+                          target_argmax: torch.Tensor | None = None,
+                          reference_target: bool = False) -> dict[str, torch.Tensor]:
     """Losses for one batch given target features.
 
     Args:
         target_hidden: [b, n, taps * D] concatenated target hidden states (``gather_target_hidden``).
-        target_last_hidden: [b, n, D] the target's final (post-norm, pre-LM-head) hidden states; target logits are
-            recomputed from it only at supervised block positions.
+        target_last_hidden: [b, n, D] the target's final (post-norm, pre-LM-head) hidden states; the target's view
+            (``target_view``) is recomputed from it only at the distinct supervised block positions.
         input_ids / loss_mask: [b, n].
+        target_lse / target_argmax: [b, n] the full-vocabulary log-normaliser and argmax of the target at every
+            position (a features cache stores them); with a draft vocabulary they spare the full LM head.
+        reference_target: build full-vocabulary target logits per block position and take the losses from them
+            (the plain construction, for checking the fast one).
     """
     config = drafter.config
     anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
@@ -199,13 +279,19 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
     base = out.logits.view(b, num, g, -1)
     draft_logits = drafter.sequential_logits(base, hidden, blocks.prev_ids)
     lm_head = drafter.lm_head
-    with torch.no_grad():  # target logits over the full vocabulary, once per distinct supervised position
+    draft_vocab = drafter.draft_vocab
+    with torch.no_grad():  # the target once per distinct supervised position
         flat = (blocks.target_positions + n * torch.arange(b, device=input_ids.device).view(b, 1, 1)).view(-1)
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows = target_last_hidden.reshape(b * n, -1).index_select(0, unique)
-        target_logits = lm_head(rows.to(lm_head.weight.dtype))[inverse].view(b, num, g, -1)
+        if reference_target:
+            target = lm_head(rows.to(lm_head.weight.dtype))[inverse].view(b, num, g, -1)
+        else:
+            lse = None if target_lse is None else target_lse.reshape(-1).index_select(0, unique)
+            top = None if target_argmax is None else target_argmax.reshape(-1).index_select(0, unique)
+            target = target_view(rows, lm_head.weight, draft_vocab, lse, top).expand(inverse, (b, num, g))
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
-    out = dspark_losses(draft_logits, target_logits, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
-                        draft_vocab=drafter.draft_vocab, confidence_target=confidence_target)
+    out = dspark_losses(draft_logits, target, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
+                        draft_vocab=draft_vocab, confidence_target=confidence_target)
     out["valid"] = blocks.valid  # [b, A, g] supervised block positions (with ``greedy_matches``: per-block metrics)
     return out

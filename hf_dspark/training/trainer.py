@@ -42,6 +42,9 @@ class TrainingArguments:
     target: str | None = None  # None: SmolLM2-135M-Instruct
     features_dir: str | None = None  # cached target features (hf-dspark features); None: run the target online
     init_drafter: str | None = None  # continue from a drafter folder instead of a fresh one
+    # grow the init_drafter by this many decoder layers, each a copy of its last layer with zeroed output
+    # projections (attention o_proj, MLP down_proj): the grown drafter starts as the same function (grow_layers)
+    add_layers: int = 0
     # drafter shape (ignored with init_drafter)
     sequential_head: str = "markov"
     block_size: int = 7
@@ -72,7 +75,7 @@ class TrainingArguments:
     confidence_target: str = "sampling"
     # train only the parameters under these module names (e.g. ["confidence_head"]); None: all of them
     train_modules: list[str] | None = None
-    mixed_precision: str = "no"  # "no" | "bf16"
+    mixed_precision: str = "no"  # "no" | "bf16" | "auto" (bf16 where the device multiplies bf16 fast: bf16_is_fast)
     target_dtype: str = "float32"
     seed: int = 0
     # bookkeeping
@@ -86,6 +89,40 @@ class TrainingArguments:
     # start drafter layer i from target layer ``init_layers_from_target[i]`` (projections, MLP, norms); None: random
     init_layers_from_target: list[int] | None = None
     threads: int | None = None
+
+
+MIXED_PRECISION = ("no", "bf16", "auto")
+
+
+def bf16_is_fast(device: torch.device | str) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX512-BF16 or
+    AMX-BF16 instructions. Elsewhere bf16 matrix products are emulated and slower than float32 (on an AVX2-only CPU,
+    by two orders of magnitude), so autocast would cost instead of pay."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    flags = _cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def _cpu_flags() -> list[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+def resolve_mixed_precision(choice: str, device: torch.device | str) -> str:
+    """``"auto"`` -> ``"bf16"`` where ``bf16_is_fast(device)``, else ``"no"``; the other choices as they are."""
+    if choice not in MIXED_PRECISION:
+        raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, got {choice!r}")
+    if choice == "auto":
+        return "bf16" if bf16_is_fast(device) else "no"
+    return choice
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -135,6 +172,29 @@ def init_layers_from_target(drafter: DSparkDrafter, target, layer_ids: list[int]
             raise ValueError(f"init_layers_from_target: target layer {layer_id} shares no parameter with the drafter's "
                              "layers (not a Llama/Qwen-style decoder layer)")
     return kept
+
+
+def grow_layers(drafter: DSparkDrafter, count: int) -> DSparkDrafter:
+    """Append ``count`` decoder layers to ``drafter`` in place, each a copy of its last layer whose attention
+    ``o_proj`` and MLP ``down_proj`` are zero: a new layer adds nothing to the residual stream until it trains, so the
+    grown drafter computes what the original did (drafts, confidences, losses) and training continues from there
+    instead of from a worse start. The config's ``num_hidden_layers`` follows."""
+    import copy
+
+    if count < 0:
+        raise ValueError(f"add_layers must be >= 0, got {count}")
+    for _ in range(count):
+        layer = copy.deepcopy(drafter.layers[-1])
+        layer.self_attn.layer_idx = len(drafter.layers)
+        with torch.no_grad():
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            for bias in (layer.self_attn.o_proj.bias, layer.mlp.down_proj.bias):
+                if bias is not None:
+                    bias.zero_()
+        drafter.layers.append(layer)
+    drafter.config.num_hidden_layers = len(drafter.layers)
+    return drafter
 
 
 def response_token_counts(sequences: list[dict]) -> Counter:
@@ -215,9 +275,14 @@ class DSparkTrainer:
         self.args = args
         if args.threads:
             torch.set_num_threads(args.threads)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.mixed_precision = resolve_mixed_precision(args.mixed_precision, device)
         self.accelerator = Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
+            mixed_precision=self.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
         )
+        if args.mixed_precision == "auto":
+            logger.info("mixed precision: %s (%s bfloat16 products on %s)", self.mixed_precision,
+                        "native" if self.mixed_precision == "bf16" else "no native", device)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.resume_dir = latest_checkpoint(self.output_dir)  # None: a new run
@@ -274,8 +339,8 @@ class DSparkTrainer:
         saved = state["args"]
         for key in ("sequential_head", "block_size", "num_hidden_layers", "markov_rank", "max_steps", "seed",
                     "batch_size", "gradient_accumulation_steps", "num_anchors", "confidence_target", "train_modules",
-                    "init_layers_from_target"):
-            if saved.get(key) != getattr(self.args, key):
+                    "init_layers_from_target", "add_layers"):
+            if saved.get(key, 0 if key == "add_layers" else None) != getattr(self.args, key):
                 raise ValueError(
                     f"{self.output_dir} holds a run with {key}={saved.get(key)!r}, now {getattr(self.args, key)!r}; "
                     "resume with the same settings or use a new --output"
@@ -319,6 +384,11 @@ class DSparkTrainer:
                 raise ValueError("init_layers_from_target starts a new drafter; it cannot be combined with "
                                  "init_drafter")
             drafter = DSparkDrafter.from_pretrained(self.args.init_drafter, dtype=torch.float32)
+            if self.args.add_layers:
+                if self.args.lora:
+                    raise ValueError("add_layers grows the drafter's backbone; LoRA trains adapters on the layers it "
+                                     "has: pass one of them")
+                grow_layers(drafter, self.args.add_layers)
             if self._trains_confidence_head():  # an untouched head keeps its temperatures and its label
                 if drafter.config.confidence_temperatures is not None:
                     # STS temperatures were fitted to the old head; they would miscalibrate the new one.
@@ -327,6 +397,8 @@ class DSparkTrainer:
                     drafter.config.confidence_temperatures = None
                 drafter.config.confidence_target = self.args.confidence_target
             return drafter
+        if self.args.add_layers:
+            raise ValueError("add_layers grows an existing drafter: pass init_drafter")
         overrides = dict(
             num_hidden_layers=self.args.num_hidden_layers, block_size=self.args.block_size,
             sequential_head=self.args.sequential_head, markov_rank=self.args.markov_rank,
@@ -505,10 +577,18 @@ class DSparkTrainer:
 
     @torch.no_grad()
     def _target_features(self, batch):
+        """``(hidden, last, lse, argmax)`` of a batch: from the features cache (``lse``/``argmax`` when it stores
+        them), else from the target online (``lse``/``argmax`` None: the losses compute them)."""
         if self.features is not None:
-            hidden, last = self.features.batch(batch["index"].tolist(), batch["input_ids"].shape[1])
-            return hidden.to(self.accelerator.device), last.to(self.accelerator.device)
-        return self._online_features(batch)
+            cached = self.features.batch(batch["index"].tolist(), batch["input_ids"].shape[1])
+            return tuple(None if t is None else t.to(self.accelerator.device) for t in cached)
+        return (*self._online_features(batch), None, None)
+
+    def _clock(self) -> float:
+        """``perf_counter`` after the device's queued work is done (phases are timed by their completion)."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
+        return time.perf_counter()
 
     # -- loop --------------------------------------------------------------------------------------------------
     def train(self, progress: bool = True, stop_at_step: int | None = None) -> dict:
@@ -522,6 +602,7 @@ class DSparkTrainer:
                    disable=not (progress and self.accelerator.is_main_process))
         generator = torch.Generator()
         totals: dict[str, float] = {}
+        phases = dict.fromkeys(PHASES, 0.0)
         self._started = time.time()
         last = {}
         if self.eval_sequences and self.step == 0:
@@ -529,28 +610,34 @@ class DSparkTrainer:
         while self.step < min(args.max_steps, stop_at_step or args.max_steps):
             generator.manual_seed(args.seed * 7919 + self.step)  # anchors depend only on (seed, step): exact resume
             for _ in range(args.gradient_accumulation_steps):
+                clock = self._clock()
                 batch = {k: v.to(self.accelerator.device) for k, v in self._next_batch().items()}
-                features, last_hidden = self._target_features(batch)
+                features, last_hidden, lse, argmax = self._target_features(batch)
+                clock = _lap(phases, "target", clock, self._clock())
                 with self.accelerator.accumulate(self.loss_module), self.accelerator.autocast():
-                    losses = self.loss_module(features, last_hidden, batch["input_ids"], batch["loss_mask"], generator)
+                    losses = self.loss_module(features, last_hidden, batch["input_ids"], batch["loss_mask"], generator,
+                                              lse, argmax)
                     self.accelerator.backward(losses["loss"])
+                    clock = _lap(phases, "drafter", clock, self._clock())
                     if self.accelerator.sync_gradients:
                         self.accelerator.clip_grad_norm_(self.loss_module.parameters(), args.max_grad_norm)
                     self.optimizer.step()
                     self.optimizer.zero_grad()
+                    _lap(phases, "optimizer", clock, self._clock())
                 for k, v in losses.items():
                     if v.dim() == 0:
                         totals[k] = totals.get(k, 0.0) + float(v.detach())
+                totals["blocks"] = totals.get("blocks", 0.0) + float(losses["valid"].any(-1).sum())
                 totals["n"] = totals.get("n", 0) + 1
             self.scheduler.step()
             self.step += 1
             bar.update(1)
             if self.step % args.log_every == 0 or self.step == args.max_steps:
-                n = totals.pop("n")
+                n, blocks = totals.pop("n"), totals.pop("blocks")
                 last = {k: v / n for k, v in totals.items()}
                 last.update(step=self.step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch,
-                            elapsed_s=self._elapsed())
-                totals = {}
+                            elapsed_s=self._elapsed(), **throughput(blocks, phases))
+                totals, phases = {}, dict.fromkeys(PHASES, 0.0)
                 if self.accelerator.is_main_process:
                     with open(log_path, "a", encoding="utf-8") as f:
                         f.write(json.dumps(last) + "\n")
@@ -558,7 +645,9 @@ class DSparkTrainer:
                         for k, v in last.items():
                             if isinstance(v, float):
                                 writer.add_scalar(f"train/{k}", v, self.step)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}")
+                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
+                                    blocks_s=f"{last['blocks_per_s']:.0f}",
+                                    split="/".join(f"{100 * last[f'time_{k}']:.0f}" for k in PHASES))
             if self.eval_sequences and ((args.eval_every and self.step % args.eval_every == 0)
                                         or self.step == args.max_steps):
                 self._log_eval(writer)
@@ -590,10 +679,29 @@ class _LossModule(torch.nn.Module):
         self.num_anchors, self.gamma, self.weights = num_anchors, gamma, weights
         self.confidence_target = confidence_target
 
-    def forward(self, features, last_hidden, input_ids, loss_mask, generator):
+    def forward(self, features, last_hidden, input_ids, loss_mask, generator, lse=None, argmax=None):
         return drafter_training_step(self.drafter, features, last_hidden, input_ids, loss_mask,
                                      num_anchors=self.num_anchors, gamma=self.gamma, weights=self.weights,
-                                     generator=generator, confidence_target=self.confidence_target)
+                                     generator=generator, confidence_target=self.confidence_target,
+                                     target_lse=lse, target_argmax=argmax)
+
+
+# Where a training step's time goes: target features (online forward or cache read), the drafter's forward and
+# backward (losses included), the optimizer (clipping, step, zeroing).
+PHASES = ("target", "drafter", "optimizer")
+
+
+def _lap(phases: dict[str, float], name: str, start: float, now: float) -> float:
+    phases[name] += now - start
+    return now
+
+
+def throughput(blocks: float, phases: dict[str, float]) -> dict[str, float]:
+    """``blocks_per_s`` over the timed phases and each phase's share of them (``time_<phase>``)."""
+    total = sum(phases.values())
+    out = {"blocks_per_s": blocks / total if total > 0 else 0.0}
+    out.update({f"time_{k}": (v / total if total > 0 else 0.0) for k, v in phases.items()})
+    return out
 
 
 def load_training_state(path: Path) -> dict:
