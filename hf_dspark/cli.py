@@ -99,6 +99,16 @@ def _load_target(name: str | None, dtype: torch.dtype):
     return model, AutoTokenizer.from_pretrained(name)
 
 
+def _device(name: str) -> torch.device:
+    """``auto``: the GPU where CUDA is available, else the CPU; otherwise the named device."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
 def _setup_target(args, dtype_name: str | None = None):
     """Thread count, dtype and the target (+ tokenizer) for commands that run it."""
     if getattr(args, "threads", None):
@@ -168,8 +178,9 @@ def cmd_data(args) -> int:
         max_prompts=args.max_prompts, dtype=args.dtype, exclude=list(args.exclude), sampling=args.sampling,
     )
     target, tokenizer = _load_target(args.target, DTYPES[args.dtype])
+    target = target.to(_device(args.device))
     summary = regenerate(target, tokenizer, args.output, settings, worker_index=args.worker_index,
-                         num_workers=args.num_workers)
+                         num_workers=args.num_workers, time_budget_s=args.time_budget_s)
     print(json.dumps(summary))
     return 0
 
@@ -206,6 +217,7 @@ def cmd_features(args) -> int:
 
     _require_shards(args.data, "--data")
     target, _, _ = _setup_target(args, args.target_dtype)
+    target = target.to(_device(args.device))
     layer_ids = args.target_layer_ids or DSparkConfig.for_target(target.config).target_layer_ids
     summary = cache_features(target, list_shards(args.data), args.output, layer_ids, args.max_length,
                              dtype=DTYPES[args.dtype], batch_size=args.batch_size, worker_index=args.worker_index,
@@ -585,6 +597,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--threads", type=int, default=None)
     data.add_argument("--num-workers", type=int, default=1, help="split shards over this many processes")
     data.add_argument("--worker-index", type=int, default=0, help="this process's share (0..num-workers-1)")
+    data.add_argument("--device", default="auto", help="where the target runs (auto: cuda if available, else cpu)")
+    data.add_argument("--time-budget-s", type=float, default=None,
+                      help="start no new shard after this many seconds (finished shards are kept; re-run continues)")
     data.set_defaults(func=cmd_data)
 
     train = sub.add_parser("train", help="train a DSpark drafter (resumable: re-run the same command)")
@@ -646,6 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     feat.add_argument("--threads", type=int, default=None)
     feat.add_argument("--num-workers", type=int, default=1)
     feat.add_argument("--worker-index", type=int, default=0)
+    feat.add_argument("--device", default="auto", help="where the target runs (auto: cuda if available, else cpu)")
     feat.set_defaults(func=cmd_features)
 
     bench = sub.add_parser("bench", help="rollouts over prompt sets: tau, acceptance, tokens/s vs plain")

@@ -366,8 +366,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         verify = int(self.policy.num_to_verify(confidences, max_drafts))
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
-        raw = None if draft.confidence_logits is None else draft.confidence_logits[0].tolist()
-        listed = None if confidences is None else confidences.tolist()
+        listed, raw = _stats_lists(confidences, draft.confidence_logits)
         self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.draft_ids, source="block")
         if verify == 0:
             return input_ids, None
@@ -455,6 +454,16 @@ def in_round_stopping_criteria(criteria) -> StoppingCriteriaList | None:
     return StoppingCriteriaList(kept) if kept else None
 
 
+def _stats_lists(confidences: torch.Tensor | None, logits: torch.Tensor | None) -> tuple[list | None, list | None]:
+    """A block's calibrated confidences [g] and raw confidence logits [1, g] as Python lists for the round's stats,
+    read back in one transfer."""
+    if confidences is None or logits is None:
+        return (None if confidences is None else confidences.tolist(),
+                None if logits is None else logits[0].tolist())
+    listed, raw = torch.stack([confidences.float(), logits[0].float()]).tolist()  # float32 holds either exactly
+    return listed, raw
+
+
 def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | None:
     """The first draft position j (1-based) at which ``criteria`` fire on ``candidates[:, :length + j]``, or None.
 
@@ -468,9 +477,8 @@ def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | Non
     if drafts <= 0:
         return None
     fired = torch.cat([criteria(candidates[:, : length + j], None).reshape(-1)[:1] for j in range(1, drafts + 1)])
-    if not bool(fired.any()):
-        return None
-    return int(fired.int().argmax()) + 1
+    first = int(torch.where(fired.any(), fired.int().argmax() + 1, 0))  # one read: 0 where none fired
+    return first or None
 
 
 def _shared_per_target(drafter, target, attribute: str, factory):
@@ -502,18 +510,28 @@ def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tup
 
     Among occurrences of the longest matching suffix, the latest one with ``max_tokens`` tokens after it wins (the
     latest of all if none has): recent text predicts the next tokens best, and a full continuation drafts more.
+    Every match length is computed at once on the device (``max_ngram`` comparisons of shifted ids) and the choice
+    is read back in one transfer: one host synchronisation per call, whatever ``max_ngram`` is.
     """
     length = ids.shape[0]
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        windows = ids[: length - 1].unfold(0, n, 1)  # [L - n, n]: every earlier n-gram with a token after it
-        starts = torch.nonzero((windows == ids[length - n:]).all(dim=-1)).flatten()
-        if starts.numel() == 0:
-            continue
-        follow = starts + n
-        full = follow[follow + max_tokens <= length]
-        begin = int(full[-1] if full.numel() else follow[-1])
-        return ids[begin: begin + max_tokens], n
-    return None
+    longest = min(max_ngram, length - 1)
+    if longest < 1:
+        return None
+    follow = torch.arange(1, length, device=ids.device)  # position after each earlier n-gram's last token
+    matched = torch.zeros_like(follow)  # how many tokens before ``follow`` equal the last tokens of ids
+    alive = torch.ones_like(follow, dtype=torch.bool)
+    for k in range(longest):
+        source = follow - 1 - k
+        alive &= (source >= 0) & (ids[source.clamp(min=0)] == ids[length - 1 - k])
+        matched += alive
+    # longest match first, then a full continuation, then the latest occurrence: one argmax over a combined key
+    full = follow + max_tokens <= length
+    key = matched * (2 * length) + full * length + follow
+    best = key.argmax()
+    n, begin = torch.stack([matched[best], follow[best]]).tolist()
+    if n == 0:
+        return None
+    return ids[begin: begin + max_tokens], n
 
 
 def _profile_target(target, max_batch_tokens: int):

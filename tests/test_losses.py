@@ -28,6 +28,7 @@ def test_blocks_labels_and_mask():
     assert blocks.labels.tolist() == [[[14, 15, 16], [17, 18, 0]]]
     assert blocks.valid.tolist() == [[[True, True, True], [True, True, False]]]
     assert blocks.prev_ids.tolist() == [[[13, 14, 15], [16, 17, 18]]]
+    assert blocks.context_lengths.tolist() == [[3, 6]]  # each block sees the context before its anchor
     mask = blocks.attention_mask[0, 0]
     # block 0 queries see context 0..2 and their own block only
     assert mask[0, :10].tolist() == [True] * 3 + [False] * 7
@@ -134,3 +135,30 @@ def test_losses_from_a_target_view_equal_those_from_logits():
     assert torch.equal(a["greedy_matches"], b["greedy_matches"])
     with pytest.raises(ValueError, match="output vocabulary"):
         dspark_losses(draft, TargetView.from_logits(target), labels, valid, z, draft_vocab=draft_vocab)
+
+
+def test_blockwise_attention_equals_the_dense_block_mask():
+    """Attention under a BlockLayout equals SDPA under the dense mask build_blocks makes, for every kept block."""
+    from hf_dspark.configuration_dspark import DSparkConfig
+    from hf_dspark.modeling_dspark import BlockLayout, DSparkAttention
+
+    torch.manual_seed(0)
+    config = DSparkConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          intermediate_size=64, vocab_size=50, block_size=3, num_hidden_layers=1)
+    attention = DSparkAttention(config, 0)
+    b, n, g = 2, 9, 3
+    loss_mask = torch.zeros(b, n, dtype=torch.bool)
+    loss_mask[0, 3:] = True
+    loss_mask[1, 6:] = True  # few candidates: some blocks of row 1 are dropped
+    anchors, keep = sample_anchors(loss_mask, 4, torch.Generator().manual_seed(1))
+    blocks = build_blocks(torch.randint(0, 50, (b, n)), loss_mask, anchors, keep, g, mask_token_id=0)
+    q = blocks.input_ids.shape[1]
+    block = torch.randn(b, q, 32)
+    context = torch.randn(b, n, 32)
+    rope = (torch.ones(b, q, 8), torch.zeros(b, q, 8))
+    context_kv = attention.key_values(context, torch.ones(b, n, 8), torch.zeros(b, n, 8))
+    dense = attention(block, rope, context_kv, blocks.attention_mask)
+    blockwise = attention(block, rope, context_kv, BlockLayout(blocks.context_lengths, g))
+    kept = keep.repeat_interleave(g, dim=1)
+    assert not bool(keep.all())  # the comparison covers a batch with dropped blocks
+    torch.testing.assert_close(blockwise[kept], dense[kept], atol=1e-6, rtol=1e-5)

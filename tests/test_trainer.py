@@ -261,8 +261,8 @@ def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
 @pytest.mark.parametrize("draft_vocab_size", [None, 24])
 def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, draft_vocab_size):
     """The training step's target view (distinct positions, chunked; or a cached log-normaliser with the draft
-    vocabulary's LM-head rows only) gives the losses and gradients of full-vocabulary target logits per block
-    position, to float32 tolerance."""
+    vocabulary's LM-head rows only) and its blockwise attention (``BlockLayout``) give the losses and gradients of
+    full-vocabulary target logits per block position under the dense block mask, to float32 tolerance."""
     from hf_dspark.training.losses import drafter_training_step, log_normalizer_and_argmax
 
     target = tiny_targets["llama"]
@@ -273,7 +273,7 @@ def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, 
     hidden, last = trainer._online_features(batch)
     lse, argmax = log_normalizer_and_argmax(last.flatten(0, 1), target.get_output_embeddings().weight)
     results = {}
-    for mode, extra in {"reference": {"reference_target": True}, "fast": {},
+    for mode, extra in {"reference": {"reference_target": True, "dense_attention": True}, "fast": {},
                         "cached": {"target_lse": lse.view(last.shape[:2]),
                                    "target_argmax": argmax.view(last.shape[:2])}}.items():
         drafter.zero_grad()

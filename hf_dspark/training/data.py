@@ -109,13 +109,16 @@ def _regenerate_shard(target, tokenizer, records: list[dict], settings: Regenera
 
 
 def regenerate(target, tokenizer, output_dir: str | Path, settings: RegenerationSettings, progress: bool = True,
-               worker_index: int = 0, num_workers: int = 1) -> dict:
+               worker_index: int = 0, num_workers: int = 1, time_budget_s: float | None = None) -> dict:
     """Regenerate responses for ``settings.prompt_paths`` into ``output_dir`` (resumable). Returns a summary.
 
     ``num_workers`` processes with distinct ``worker_index`` split the shards (shard i goes to worker i mod n), so
-    several single-threaded workers can share a machine's cores without duplicating work."""
+    several single-threaded workers can share a machine's cores without duplicating work. With ``time_budget_s`` no
+    shard starts once that many seconds have passed (finished shards are kept; re-running continues)."""
     if not 0 <= worker_index < num_workers:
         raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
     from tqdm.auto import tqdm
 
     output_dir = Path(output_dir)
@@ -150,6 +153,9 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
                desc="regenerate", unit="prompt", disable=not progress)
     started, new_lines = time.time(), 0
     for index in todo:
+        if time_budget_s is not None and time.time() - started >= time_budget_s:
+            logger.info("time budget of %.0f s spent: stopping before shard %d", time_budget_s, index)
+            break
         lines = _regenerate_shard(target, tokenizer, shards[index], settings, settings.seed + index)
         final = output_dir / f"shard-{index:05d}.jsonl"
         tmp = final.with_suffix(".tmp")

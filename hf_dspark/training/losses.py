@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..modeling_dspark import BlockLayout
+
 DEFAULT_LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "confidence": 1.0}  # the paper's defaults
 CONFIDENCE_TARGETS = ("sampling", "greedy")
 
@@ -31,7 +33,8 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     candidates[:, 0] = False  # an anchor needs at least one context position before it
     counts = candidates.sum(dim=1)
     num = int(min(num_anchors, max(int(counts.max()), 1)))
-    scores = torch.rand(b, n, generator=generator, device=loss_mask.device)
+    # drawn on the CPU (where the trainer's generator lives) and moved: the same anchors on every device
+    scores = torch.rand(b, n, generator=generator).to(loss_mask.device)
     scores = scores.masked_fill(~candidates, -1.0)
     top = scores.topk(num, dim=1)
     keep = top.values >= 0
@@ -53,6 +56,7 @@ class Blocks:
     target_positions: torch.Tensor  # [b, A, g] position whose target logits predict the label (anchor + k)
     valid: torch.Tensor  # [b, A, g] bool, contiguous prefix of supervised positions
     attention_mask: torch.Tensor  # [b, 1, q, n + q] bool (True = attend)
+    context_lengths: torch.Tensor  # [b, A] context positions each block sees (its anchor; 0 for dropped blocks)
 
 
 def build_blocks(input_ids, loss_mask, anchors, keep, block_size: int, mask_token_id: int) -> Blocks:
@@ -93,6 +97,7 @@ def build_blocks(input_ids, loss_mask, anchors, keep, block_size: int, mask_toke
         target_positions=positions.clamp(max=n - 1),
         valid=valid,
         attention_mask=mask.unsqueeze(1),
+        context_lengths=torch.where(keep, anchors, torch.zeros_like(anchors)),
     )
 
 
@@ -250,7 +255,7 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
                           generator: torch.Generator | None = None,
                           confidence_target: str = "sampling", target_lse: torch.Tensor | None = None,
                           target_argmax: torch.Tensor | None = None,
-                          reference_target: bool = False) -> dict[str, torch.Tensor]:
+                          reference_target: bool = False, dense_attention: bool = False) -> dict[str, torch.Tensor]:
     """Losses for one batch given target features.
 
     Args:
@@ -262,17 +267,20 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
             position (a features cache stores them); with a draft vocabulary they spare the full LM head.
         reference_target: build full-vocabulary target logits per block position and take the losses from them
             (the plain construction, for checking the fast one).
+        dense_attention: give the drafter the dense ``[q, n + q]`` block mask instead of its ``BlockLayout`` (the
+            plain construction again; the losses are the same).
     """
     config = drafter.config
     anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
     blocks = build_blocks(input_ids, loss_mask, anchors, keep, config.block_size, config.mask_token_id)
     b, n = input_ids.shape
+    layout = blocks.attention_mask if dense_attention else BlockLayout(blocks.context_lengths, config.block_size)
     out = drafter(
         input_ids=blocks.input_ids,
         position_ids=blocks.position_ids,
         target_hidden=target_hidden,
         context_position_ids=torch.arange(n, device=input_ids.device).unsqueeze(0).expand(b, -1),
-        attention_mask=blocks.attention_mask,
+        attention_mask=layout,
     )
     num, g = blocks.labels.shape[1:]
     hidden = out.hidden_states.view(b, num, g, -1)

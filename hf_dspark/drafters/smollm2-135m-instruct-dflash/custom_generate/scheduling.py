@@ -322,12 +322,17 @@ class OnlineSurvivalCorrection:
 
     def observe(self, confidences: torch.Tensor, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
         """Record one step: scheduled conditionals [D, g], verified lengths [D] and accepted drafts [D]."""
-        survival = torch.cumprod(confidences.double().clamp(0, 1), dim=-1).cpu()
+        survival = _host(torch.cumprod(confidences.double().clamp(0, 1), dim=-1))
         k = torch.arange(survival.shape[1])
-        verified = k < lengths.cpu()[:, None]
+        verified = k < _host(lengths)[:, None]
         # new tensors (not in place): ``factors`` keeps its result while these are the same objects
         self.predicted = self.predicted + (survival * verified).sum(dim=0)
-        self.accepted = self.accepted + ((k < accepted.cpu()[:, None]) & verified).sum(dim=0)
+        self.accepted = self.accepted + ((k < _host(accepted)[:, None]) & verified).sum(dim=0)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU: a copy from an accelerator, the tensor itself when it is there already."""
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second, at least
@@ -676,6 +681,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
             raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
         self.sps = sps
         self._table = None if sps is None else sps.table()
+        self._plain_rate = None if sps is None else float(self._table[1])  # SPS(1): plain decoding's tokens/s
         self.online_correction = online_correction
         self.skip_drafting = skip_drafting
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
@@ -687,6 +693,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         self.correction: OnlineSurvivalCorrection | None = None
         self._round: tuple[torch.Tensor, int] | None = None  # this round's raw confidences and verified length
         self._stale: torch.Tensor | None = None  # moving average of the drafted rounds' raw confidences
+        self._stale_version = 0  # bumped whenever the moving average, the correction or the profile changes
+        self._stale_plans: dict[tuple[int, int], tuple[int, float, float]] = {}  # see _stale_plan
         self._idle, self._wait = 0, probe_interval
 
     @classmethod
@@ -703,6 +711,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
 
     def set_sps(self, sps: StepsPerSecond) -> None:
         self.sps, self._table = sps, sps.table()
+        self._plain_rate = float(self._table[1])
+        self._stale_version += 1
 
     @property
     def uses_realized_gate(self) -> bool:
@@ -721,6 +731,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
             return confidences.float()
         if self.correction is None or self.correction.predicted.shape[0] < confidences.shape[-1]:
             self.correction = OnlineSurvivalCorrection(confidences.shape[-1])
+            self._stale_version += 1
         return self.correction.correct(confidences.view(1, -1))[0]
 
     def _schedule(self, confidences: torch.Tensor, max_drafts: int) -> int:
@@ -738,6 +749,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         current = confidences.float().detach().clone()  # uncapped: caps apply when the estimate is used
         self._stale = current if self._stale is None or self._stale.shape != current.shape else (
             (1.0 - self.confidence_smoothing) * self._stale + self.confidence_smoothing * current)
+        self._stale_version += 1
         return length
 
     def observe(self, verified, accepted):
@@ -749,6 +761,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         self._wait = self.probe_interval if length > 0 else min(2 * self._wait, self.max_probe_interval)
         if self.correction is not None and length > 0:
             self.correction.observe(raw.view(1, -1), torch.tensor([length]), torch.tensor([accepted]))
+            self._stale_version += 1
 
     def should_draft(self, max_drafts, draft_seconds=None):
         if not self._confidences_would_draft(max_drafts, draft_seconds):
@@ -761,13 +774,26 @@ class PrefixSchedulerPolicy(VerificationPolicy):
     def _confidences_would_draft(self, max_drafts, draft_seconds):
         if not self.skip_drafting or self._stale is None or self._idle >= self._wait:
             return True  # nothing to predict from yet, or a probe is due
-        stale = self._corrected(self._stale)  # with the correction learnt up to now
-        length = self._schedule(stale, max_drafts)
+        length, tokens, sps = self._stale_plan(max_drafts)
         if length == 0:
             return False
         if draft_seconds is None:
             return True
-        return self._expected_rate(stale, length, draft_seconds) > float(self._table[1])
+        return tokens / (1.0 / sps + draft_seconds) > self._plain_rate
+
+    def _stale_plan(self, max_drafts: int) -> tuple[int, float, float]:
+        """What the smoothed past confidences (with the correction learnt up to now) predict for a block drafted this
+        round: ``(length, 1 + sum of its prefix survivals, SPS(1 + length))``. It changes only when a block round
+        updates them, so the rounds in between reuse it without reading the device again."""
+        plan = self._stale_plans.get((self._stale_version, max_drafts))
+        if plan is None:
+            stale = self._corrected(self._stale)
+            length = self._schedule(stale, max_drafts)
+            survival = torch.cumprod(stale[:length].float().clamp(0, 1), dim=0)
+            sps = float(self._table[min(1 + length, self._table.shape[0] - 1)])
+            plan = (length, 1.0 + float(survival.sum()), sps)
+            self._stale_plans = {(self._stale_version, max_drafts): plan}
+        return plan
 
     def _expected_rate(self, conditionals: torch.Tensor, length: int, draft_seconds: float = 0.0) -> float:
         """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances:
@@ -868,16 +894,15 @@ class HybridPolicy(PrefixSchedulerPolicy):
         probe of the block is due (the block's own rounds are what teach the prediction)."""
         if self._stale is None or self._idle >= self._wait or draft_seconds is None:
             return None
-        stale = self._corrected(self._stale)
-        length = self._schedule(stale, max_drafts)
-        return self._expected_rate(stale, length, draft_seconds) if length else 0.0
+        length, tokens, sps = self._stale_plan(max_drafts)
+        return tokens / (1.0 / sps + draft_seconds) if length else 0.0
 
     def choose_source(self, lookup_confidences: torch.Tensor | None, max_drafts: int,
                       draft_seconds: float | None) -> tuple[str, int]:
         """``("lookup", l)``, ``("block", 0)`` (draft, then schedule the block's length) or ``("none", 0)``."""
         if lookup_confidences is not None and max_drafts > 0:
             length, rate = self.lookup_length(lookup_confidences, max_drafts)
-            if length > 0 and rate > float(self._table[1]):
+            if length > 0 and rate > self._plain_rate:
                 block = self.block_rate(max_drafts, draft_seconds)
                 if block is None or rate >= block:
                     return "lookup", length
