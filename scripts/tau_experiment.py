@@ -34,7 +34,9 @@ ARMS = {
     "data": {"data": OWN_DATA + ["data/regen-smollm2-c"], "extra": []},
     "capacity": {"data": OWN_DATA, "extra": ["--add-layers", "1"]},
 }
-PROBE_STEPS = 4
+# Steps per probe: step times vary with the batch's sequence lengths, and the first step warms up; the arms on the
+# same data see the same batches, so their probes differ by what the arm costs, not by the data drawn.
+PROBE_STEPS = 12
 
 
 def train_command(arm: str, output: Path, steps: int, args, eval_every: int | None = None) -> list[str]:
