@@ -789,18 +789,21 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         if plan is None:
             stale = self._corrected(self._stale)
             length = self._schedule(stale, max_drafts)
-            survival = torch.cumprod(stale[:length].float().clamp(0, 1), dim=0)
-            sps = float(self._table[min(1 + length, self._table.shape[0] - 1)])
-            plan = (length, 1.0 + float(survival.sum()), sps)
+            plan = (length, *self._round_value(stale, length))
             self._stale_plans = {(self._stale_version, max_drafts): plan}
         return plan
 
     def _expected_rate(self, conditionals: torch.Tensor, length: int, draft_seconds: float = 0.0) -> float:
         """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances:
         ``(1 + sum of prefix survivals) / (1 / SPS(1 + length) + draft_seconds)``."""
+        tokens, sps = self._round_value(conditionals, length)
+        return tokens / (1.0 / sps + draft_seconds)
+
+    def _round_value(self, conditionals: torch.Tensor, length: int) -> tuple[float, float]:
+        """``(1 + sum of the first length prefix survivals, SPS(1 + length))``: a round's expected tokens and its
+        verification rate."""
         survival = torch.cumprod(conditionals[:length].float().clamp(0, 1), dim=0)
-        sps = float(self._table[min(1 + length, self._table.shape[0] - 1)])
-        return (1.0 + float(survival.sum())) / (1.0 / sps + draft_seconds)
+        return 1.0 + float(survival.sum()), float(self._table[min(1 + length, self._table.shape[0] - 1)])
 
 
 class LookupSurvival:
