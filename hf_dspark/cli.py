@@ -292,20 +292,21 @@ def cmd_bench(args) -> int:
 
 def _source_shares(sources: dict | None) -> str:
     """`` [block 12% lookup 30% none 58%]``: where a method's rounds drafted from (empty without rounds)."""
+    from .evaluation.bench_report import round_shares
+
     if not sources:
         return ""
-    total = sum(row["rounds"] for row in sources.values())
-    return " [" + " ".join(f"{name} {100 * row['rounds'] / total:.0f}%" for name, row in sorted(sources.items())) + "]"
+    return " [" + " ".join(f"{name} {share:.0f}%" for name, share in sorted(round_shares(sources).items())) + "]"
 
 
 def _time_shares(result: dict) -> str:
     """`` (draft 4% verify 90% loop 6%)``: where a drafting method's seconds went (empty for plain methods)."""
-    split = result.get("time_split")
-    if not split or not result.get("seconds"):
+    from .evaluation.bench_report import TIME_PARTS, time_shares
+
+    spent = time_shares(result)
+    if not spent:
         return ""
-    total = result["seconds"]
-    names = {"drafting_s": "draft", "verification_s": "verify", "bookkeeping_s": "loop"}
-    return " (" + " ".join(f"{names[key]} {100 * seconds / total:.0f}%" for key, seconds in split.items()) + ")"
+    return " (" + " ".join(f"{TIME_PARTS[key]} {share:.0f}%" for key, share in spent.items()) + ")"
 
 
 def cmd_calibrate(args) -> int:

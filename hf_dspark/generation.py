@@ -52,6 +52,17 @@ def is_dspark_drafter(model: Any) -> bool:
 # ------------------------------------------------------------------------------------------------------------------
 # Statistics
 # ------------------------------------------------------------------------------------------------------------------
+def totals_by_source(sources: list[str], **per_round: list[int]) -> dict[str, dict[str, int]]:
+    """Rounds and the sum of each per-round count (``drafted=[...]``, ``verified=[...]``, ...) per draft source."""
+    out: dict[str, dict[str, int]] = {}
+    for i, source in enumerate(sources):
+        row = out.setdefault(source, {"rounds": 0, **{name: 0 for name in per_round}})
+        row["rounds"] += 1
+        for name, counts in per_round.items():
+            row[name] += counts[i]
+    return out
+
+
 @dataclass
 class DSparkStats:
     """Per-round statistics of one ``generate`` call (``drafter.last_stats``).
@@ -88,14 +99,7 @@ class DSparkStats:
 
     def by_source(self) -> dict[str, dict[str, int]]:
         """Rounds, drafted, verified and accepted draft tokens per draft source."""
-        out: dict[str, dict[str, int]] = {}
-        for source, drafted, verified, accepted in zip(self.sources, self.drafted, self.verified, self.accepted):
-            row = out.setdefault(source, {"rounds": 0, "drafted": 0, "verified": 0, "accepted": 0})
-            row["rounds"] += 1
-            row["drafted"] += drafted
-            row["verified"] += verified
-            row["accepted"] += accepted
-        return out
+        return totals_by_source(self.sources, drafted=self.drafted, verified=self.verified, accepted=self.accepted)
 
     def add_stamps(self, started: Any, drafted: Any, verified: Any) -> None:
         """The clock stamps of the round just recorded; the previous round's bookkeeping ends at ``started``."""

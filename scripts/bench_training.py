@@ -24,6 +24,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hf_dspark.training.trainer import seconds_per_step  # noqa: E402
 
 
 def run_once(source: Path, args, output: Path) -> dict:
@@ -37,13 +40,12 @@ def run_once(source: Path, args, output: Path) -> dict:
     done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"training in {source} failed:\n{done.stderr[-3000:]}")
-    log = [json.loads(line) for line in open(output / "train_log.jsonl")]
-    if len(log) < 2:
+    if sum(1 for _ in open(output / "train_log.jsonl")) < 2:
         raise SystemExit(f"{output}: fewer than two log lines; raise --steps")
-    seconds = (log[-1]["elapsed_s"] - log[0]["elapsed_s"]) / (log[-1]["step"] - log[0]["step"])
+    seconds, last = seconds_per_step(output)
     return {"s_per_step": seconds, "blocks_per_s": args.batch_size * args.num_anchors / seconds,
-            "logged_blocks_per_s": log[-1].get("blocks_per_s"),
-            "split": {k[5:]: log[-1][k] for k in log[-1] if k.startswith("time_")}}
+            "logged_blocks_per_s": last.get("blocks_per_s"),
+            "split": {k[5:]: last[k] for k in last if k.startswith("time_")}}
 
 
 def main() -> int:

@@ -54,6 +54,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from hf_dspark.training.trainer import seconds_per_step  # noqa: E402
+
 DRAFTERS = {"dspark": REPO / "hf_dspark/drafters/smollm2-135m-instruct-dspark",
             "dflash": REPO / "hf_dspark/drafters/smollm2-135m-instruct-dflash"}
 TRAIN_NAMES = ("regen-smollm2", "regen-smollm2-b", "regen-smollm2-c")
@@ -182,16 +184,6 @@ def training_args(output: Path, data_dirs, drafter: Path, batch_size: int, num_a
         mixed_precision="auto", eval_data_dirs=[str(settings["heldout"])], eval_every=0,
         eval_sequences=settings["eval_sequences"], save_every=10**9, log_every=max(1, min(10, steps // 4)),
     )
-
-
-def seconds_per_step(run: Path) -> tuple[float, dict]:
-    entries = [json.loads(line) for line in open(run / "train_log.jsonl")]
-    if len(entries) >= 2:
-        first, last = entries[0], entries[-1]
-        per_step = (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"])
-    else:
-        per_step = entries[-1]["elapsed_s"] / entries[-1]["step"]
-    return per_step, entries[-1]
 
 
 def profile_sizes(target, tokenizer, data_dirs, drafter: Path, candidates, settings, scratch: Path) -> dict:

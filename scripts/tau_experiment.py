@@ -11,7 +11,8 @@ Arms:
   capacity  the shipped drafter grown by one layer (`--add-layers 1`: starts as the same function) on its own data
 
 The budget becomes steps per arm from a short probe of each arm's seconds per step (written once to plan.json, so a
-restarted experiment keeps its plan). Every arm is an ordinary `hf-dspark train` run: re-running `run` after an
+restarted experiment keeps its plan; another --budget-s re-plans from the stored probes). Each arm is evaluated at
+its start, half-way and its end. Every arm is an ordinary `hf-dspark train` run: re-running `run` after an
 interruption resumes the unfinished arm from its last checkpoint and skips finished ones. Run it detached
 (`setsid ... > log 2>&1 &`) and pause it (kill -STOP / -CONT) while anything is timed.
 """
@@ -27,6 +28,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from hf_dspark.training.trainer import seconds_per_step  # noqa: E402
 SHIPPED = "hf_dspark/drafters/smollm2-135m-instruct-dspark"
 OWN_DATA = ["data/regen-smollm2", "data/regen-smollm2-b"]
 ARMS = {
@@ -61,22 +65,23 @@ def run_train(command: list[str], log_file: Path) -> None:
         raise SystemExit(f"{' '.join(command[3:6])}... failed (exit {done.returncode}); see {log_file}")
 
 
-def seconds_per_step(run: Path) -> float:
-    entries = [json.loads(line) for line in open(run / "train_log.jsonl")]
-    first, last = entries[0], entries[-1]
-    return (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"])
-
-
 def plan(args, output: Path) -> dict:
     path = output / "plan.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
+        if stored["budget_s"] != args.budget_s:
+            # A new budget re-plans from the stored probes; an arm already started with other steps is refused by
+            # the trainer's resume check (delete its folder to restart it).
+            stored["budget_s"] = args.budget_s
+            stored["steps"] = {arm: max(1, int(args.budget_s / s)) for arm, s in stored["s_per_step"].items()}
+            path.write_text(json.dumps(stored, indent=2))
+        return stored
     probes = {}
     for arm in ARMS:
         probe = output / f"probe-{arm}"
         shutil.rmtree(probe, ignore_errors=True)
         run_train(train_command(arm, probe, PROBE_STEPS, args), output / "experiment.log")
-        probes[arm] = seconds_per_step(probe)
+        probes[arm] = seconds_per_step(probe)[0]
         shutil.rmtree(probe)
         print(f"probe {arm}: {probes[arm]:.2f} s/step", flush=True)
     steps = {arm: max(1, int(args.budget_s / s)) for arm, s in probes.items()}
@@ -95,7 +100,7 @@ def run(args) -> int:
         run_dir = output / arm
         if (run_dir / "drafter" / "config.json").is_file():
             continue
-        run_train(train_command(arm, run_dir, steps, args, eval_every=max(1, steps // 4)), output / "experiment.log")
+        run_train(train_command(arm, run_dir, steps, args, eval_every=max(1, -(-steps // 2))), output / "experiment.log")
         print(f"{arm}: done", flush=True)
     return table(args)
 

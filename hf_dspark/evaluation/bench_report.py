@@ -11,6 +11,23 @@ def _geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def round_shares(sources: dict) -> dict[str, float]:
+    """Percent of a method's rounds per draft source (``by_source`` rows)."""
+    total = sum(row["rounds"] for row in sources.values()) or 1
+    return {name: 100 * row["rounds"] / total for name, row in sources.items()}
+
+
+TIME_PARTS = {"drafting_s": "draft", "verification_s": "verify", "bookkeeping_s": "loop"}
+
+
+def time_shares(result: dict) -> dict[str, float]:
+    """Percent of a method's seconds per part of its rounds (``time_split``); empty without a split."""
+    split = result.get("time_split")
+    if not split or not result.get("seconds"):
+        return {}
+    return {key: 100 * seconds / result["seconds"] for key, seconds in split.items()}
+
+
 def render_bench_markdown(payload: dict, environment: dict) -> str:
     """The report ``cmd_bench`` writes as JSON, as Markdown tables (sets as rows, methods as columns)."""
     settings, report = payload["settings"], payload["results"]["report"]
@@ -59,15 +76,13 @@ def render_bench_markdown(payload: dict, environment: dict) -> str:
             for method in drafting:
                 r = report[group].get(method, {})
                 sources = r.get("sources", {})
-                total = sum(row["rounds"] for row in sources.values()) or 1
-                shares = " / ".join(f"{100 * sources.get(s, {}).get('rounds', 0) / total:.0f}%"
-                                    for s in ("block", "lookup", "none"))
+                percent = round_shares(sources)
+                shares = " / ".join(f"{percent.get(s, 0.0):.0f}%" for s in ("block", "lookup", "none"))
                 rates = ", ".join(
                     f"{sources[s]['accepted']}/{sources[s]['verified']}" if sources.get(s, {}).get("verified") else "-"
                     for s in ("block", "lookup"))
-                split = r.get("time_split", {})
-                seconds = " / ".join(f"{100 * split.get(k, 0.0) / r['seconds']:.0f}%"
-                                     for k in ("drafting_s", "verification_s", "bookkeeping_s")) if split else "-"
+                spent = time_shares(r)
+                seconds = " / ".join(f"{spent.get(k, 0.0):.0f}%" for k in TIME_PARTS) if spent else "-"
                 name = group.removeprefix("set/") if group != "all" else "**all**"
                 lines.append(f"| {name} | {method} | {shares} | {rates} | {seconds} |")
     return "\n".join(lines) + "\n"

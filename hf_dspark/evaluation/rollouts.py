@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import DSparkStats
+from ..generation import DSparkStats, totals_by_source
 from ..prompts import load_prompts
 from . import metrics
 
@@ -101,13 +101,7 @@ class MethodResult:
 
     def by_source(self) -> dict[str, dict[str, int]]:
         """Rounds, verified drafts and accepted drafts per draft source."""
-        out: dict[str, dict[str, int]] = {}
-        for source, verified, accepted in zip(self.sources, self.verified, self.accepted):
-            row = out.setdefault(source, {"rounds": 0, "verified": 0, "accepted": 0})
-            row["rounds"] += 1
-            row["verified"] += verified
-            row["accepted"] += accepted
-        return out
+        return totals_by_source(self.sources, verified=self.verified, accepted=self.accepted)
 
 
 def chat_inputs(tokenizer, messages):

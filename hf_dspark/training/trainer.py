@@ -704,6 +704,20 @@ def throughput(blocks: float, phases: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def seconds_per_step(run_dir: str | Path) -> tuple[float, dict]:
+    """A run's seconds per step from its ``train_log.jsonl`` (the trainer's ``elapsed_s``, which leaves out loading),
+    between the first and the last logged step so that the first steps' warm-up is left out too when there are two
+    lines; and the last line."""
+    path = Path(run_dir) / "train_log.jsonl"
+    entries = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    if not entries:
+        raise ValueError(f"{path} has no logged step yet")
+    first, last = entries[0], entries[-1]
+    if last["step"] > first["step"]:
+        return (last["elapsed_s"] - first["elapsed_s"]) / (last["step"] - first["step"]), last
+    return last["elapsed_s"] / last["step"], last
+
+
 def load_training_state(path: Path) -> dict:
     """The optimizer, scheduler and RNG states of a checkpoint: tensors and plain values only. Loading them never runs
     code a checkpoint carries (a run folder may come from someone else)."""
