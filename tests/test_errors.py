@@ -145,8 +145,9 @@ def test_cli_refuses_an_empty_held_out_set(tiny_targets, tmp_path, capsys):
 
 @pytest.mark.parametrize("value", ["./no-drafter", "/no/such/drafter", "~/no-such-drafter", "runs/a/drafter",
                                    "runs/"])
-def test_cli_says_a_missing_local_folder_is_missing(tmp_path, capsys, value):
+def test_cli_says_a_missing_local_folder_is_missing(tmp_path, capsys, monkeypatch, value):
     """A value that can only be a local path names the missing folder instead of failing the Hub's repo-id check."""
+    monkeypatch.chdir(tmp_path)  # relative values resolve in an empty folder (a checkout may hold runs/)
     for argv in (["generate", "--drafter", value], ["bench", "--prompts", "p.jsonl", "--drafter", value],
                  ["generate", "--target", value], ["train", "--data", "d", "--output", "o", "--init-drafter", value]):
         status, line = run_cli(capsys, *argv)
