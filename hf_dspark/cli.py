@@ -249,8 +249,10 @@ def cmd_bench(args) -> int:
                 settings["num_verify_tokens"] = int(value)
             if name == "threshold":
                 settings["confidence_threshold"] = float(value or 0.5)
-            elif value and name != "fixed":
-                raise SystemExit(f"--policies {policy}: {name} takes no value")
+            if name == "scheduler" and value:
+                if value != "gated":
+                    raise SystemExit(f"--policies {policy}: expected scheduler or scheduler=gated")
+                settings["realized_gate"] = True
             methods[f"{label}:{policy}"] = settings
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
@@ -669,9 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--labels", nargs="*", default=None, help="a short name per --drafter")
     bench.add_argument("--target", default=None)
     bench.add_argument("--policies", nargs="+", default=["fixed"],
-                       help="fixed | fixed=N | threshold=T | scheduler | hybrid (drafter block or prompt lookup, "
-                            "priced per round); one method each (--prompt-lookup N adds transformers' own prompt "
-                            "lookup)")
+                       help="fixed | fixed=N | threshold=T | scheduler | scheduler=gated (the scheduler with its "
+                            "opt-in realized gate) | hybrid (drafter block or prompt lookup, priced per round); one "
+                            "method each (--prompt-lookup N adds transformers' own prompt lookup)")
     bench.add_argument("--prompt-lookup", type=int, default=0, help="also run prompt-lookup decoding with N tokens")
     bench.add_argument("--num-prompts", type=int, default=50, help="per prompt set")
     bench.add_argument("--max-new-tokens", type=int, default=256)
@@ -794,7 +796,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "--interleave)")
     serve.add_argument("--methods", nargs="+", default=["plain", "fixed", "scheduled"],
                        help="plain | fixed | fixed=N | scheduled | scheduled=padded|prefix|topk | hybrid (scheduled, "
-                            "plus per-request prompt lookup; hybrid=SCHEDULE too); "
+                            "plus per-request prompt lookup; hybrid=SCHEDULE too); append ',ungated' "
+                            "(or scheduled=ungated) to turn the realized gate off, ',emitted' to have the gate "
+                            "count emitted tokens (gate_tokens); "
                             "append ',hold=H' to any method to "
                             "set the engine's admission_hold (0: admit at once), ',prefill=F' to set its "
                             "PrefillCost fixed_tokens (1e9: each admission in one padded forward)")

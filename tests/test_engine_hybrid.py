@@ -79,7 +79,7 @@ def test_hybrid_mixes_lookup_and_block_rows_in_one_step(tiny_targets, trained_dr
 
 def test_hybrid_is_a_method_with_options():
     assert parse_method("hybrid") == {"method": "hybrid", "schedule": "padded"}
-    assert parse_method("hybrid=prefix,hold=0") == {"method": "hybrid", "schedule": "prefix", "admission_hold": 0.0}
+    assert parse_method("hybrid=prefix,ungated") == {"method": "hybrid", "schedule": "prefix", "realized_gate": False}
     with pytest.raises(ValueError, match="hybrid"):
         parse_method("hybrid=nope")
 

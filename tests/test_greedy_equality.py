@@ -136,7 +136,9 @@ def test_repetition_penalty_processor_composes(tiny_targets, trained_drafters, f
 ])
 def test_scheduler_policy_greedy_equality(tiny_targets, trained_drafters, family, profile):
     target, drafter = tiny_targets[family], trained_drafters[family]
-    set_policy(drafter, "scheduler", sps_profile=profile)
+    # Without the realized gate (explicitly, though it is the default): on the tiny models its timing verdict could
+    # stop drafting, and this test is about the lengths the scheduler picks (the gate has its own test below).
+    set_policy(drafter, "scheduler", sps_profile=profile, realized_gate=False)
     try:
         lengths = []
         for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:3]:
@@ -146,19 +148,50 @@ def test_scheduler_policy_greedy_equality(tiny_targets, trained_drafters, family
     finally:
         set_policy(drafter, "fixed")
         del drafter.generation_config.sps_profile
+        del drafter.generation_config.realized_gate
 
 
-def test_scheduler_refuses_settings_it_does_not_have(tiny_targets, trained_drafters):
-    """A generation config naming a setting the scheduler policies do not have (a realized gate's) is refused, not
-    ignored."""
+def test_scheduler_realized_gate_is_shared_timed_and_lossless(tiny_targets, trained_drafters):
+    """generate() times every whole round after the prefill into one RealizedGate per (drafter, target) shared by
+    all calls; a gate that has seen drafting lose keeps the target decoding alone (outputs unchanged), and
+    ``realized_gate=False`` drafts again."""
+    from hf_dspark.generation import realized_gate_for
+
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    set_policy(drafter, "scheduler", realized_gate=True)
+    drafter.__dict__.pop("_dspark_realized_gates", None)
+    cheap = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]}  # the confidences say "draft"
+    set_policy(drafter, "scheduler", sps_profile=cheap, realized_gate=True, explore_interval=1000,
+               max_explore_interval=1000)
+    prompts = random_prompts(48, 8, target.config.vocab_size, seed=1)[:3]
     try:
-        with pytest.raises(ValueError, match="realized_gate"):
-            target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=4, do_sample=False)
+        recorded = 0
+        for prompt in prompts[:2]:
+            assert_same_greedy(target, drafter, prompt, max_new_tokens=20)
+            stats = drafter.last_stats
+            gate = realized_gate_for(drafter, target)
+            recorded += stats.rounds - 1  # every round but the last (timed from its start to the next round's)
+            windows = {drafted: list(gate.realized.get((1, drafted), [])) for drafted in (True, False)}
+            assert sum(len(w) for w in windows.values()) == recorded  # one gate for both calls
+            assert all(s > 0 for w in windows.values() for _, s in w)
+            emitted = [a + 1 for d, a in zip(stats.drafted[:-1], stats.accepted[:-1]) if d > 0]
+            assert [int(e) for e, _ in windows[True][len(windows[True]) - len(emitted):]] == emitted
+        assert gate.realized.get((1, True)), "the cheap profile should have drafted"
+        # Drafting measured slower than plain decoding: no drafting, same output.
+        for _ in range(32):
+            gate.record_step(1, True, 1, 10.0)
+        for _ in range(32):
+            gate.record_step(1, False, 1, 0.01)
+        gate.steps_since[(1, True)] = 0
+        assert_same_greedy(target, drafter, prompts[2], max_new_tokens=20)
+        assert sum(drafter.last_stats.drafted) == 0 and drafter.last_stats.rounds > 0
+        set_policy(drafter, "scheduler", realized_gate=False)
+        assert_same_greedy(target, drafter, prompts[2], max_new_tokens=20)
+        assert sum(drafter.last_stats.drafted) > 0
     finally:
         set_policy(drafter, "fixed")
-        delattr(drafter.generation_config, "realized_gate")
+        for key in ("sps_profile", "realized_gate", "explore_interval", "max_explore_interval"):
+            delattr(drafter.generation_config, key)
+        drafter.__dict__.pop("_dspark_realized_gates", None)
 
 
 def test_scheduler_profiles_automatically(tiny_targets, trained_drafters, tmp_path, monkeypatch):

@@ -90,7 +90,7 @@ def count_host_reads():
 
 def reads_per_round(target, drafter, prompt, monkeypatch, max_new_tokens: int = 40):
     """[(source, Counter of (method, site))] per round of one DSpark greedy generate()."""
-    # The policies decide from measured seconds (the drafter's time): a clock that ticks 1 ms per reading
+    # The policies decide from measured seconds (drafter time, realized rates): a clock that ticks 1 ms per reading
     # makes the rounds' sources, and so the counts, the same on every run.
     ticks = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)

@@ -7,10 +7,15 @@ import pytest
 import torch
 
 from hf_dspark.scheduling import (
+    EXPLORE_BUDGET,
+    REALIZED_WINDOW,
+    REMEASURE_ROUNDS,
     PrefixSchedulerPolicy,
+    RealizedGate,
     StepsPerSecond,
     dynamic_topk_capacity,
     prefix_schedule,
+    realized_window,
     topk_schedule,
     width_schedule,
 )
@@ -249,6 +254,385 @@ def test_policy_skips_drafting_when_the_drafter_costs_too_much():
     assert policy.should_draft(2, draft_seconds=0.1)  # a probe is due
 
 
+def test_policy_realized_gate_overrides_confident_drafting():
+    """Confidences that always say "draft" do not draft while drafting rounds have delivered fewer tokens per second
+    than plain rounds: drafting is re-measured after ``explore_interval`` rounds, the wait doubling up to
+    ``max_explore_interval``; once drafting wins, the confidences decide again."""
+    flat = StepsPerSecond([1, 8], [100.0, 100.0])  # verification is free: the confidences always say "draft"
+    policy = PrefixSchedulerPolicy(flat, online_correction=False, realized_gate=True, explore_interval=2,
+                                   max_explore_interval=4, explore_budget=0)  # the doubling wait alone
+    assert policy.uses_realized_gate and policy.should_draft(2)  # no gate handed over yet: the confidences decide
+    gate = RealizedGate()
+    policy.set_realized_gate(gate)
+    policy.num_to_verify(torch.tensor([0.9, 0.9]), 2)
+    policy.observe(2, 2)
+    assert policy.should_draft(2)  # nothing measured yet
+    for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.1)):  # drafting: 1 token/s; plain: 10 tokens/s
+        policy.record_round(drafted, 1, seconds)
+    pattern = []
+    for _ in range(12):
+        drafted = policy.should_draft(2)
+        pattern.append(int(drafted))
+        policy.record_round(drafted, 1, 1.0 if drafted else 0.1)
+    # waits of 2, then 4 (capped) rounds, each followed by a re-measurement of REMEASURE_ROUNDS drafting rounds
+    assert REMEASURE_ROUNDS == 2
+    assert pattern == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0], pattern
+    assert gate.realized_rate(1, True) == pytest.approx(1.0) and gate.realized_rate(1, False) == pytest.approx(10.0)
+    for _ in range(40):  # drafting rounds now deliver 30 tokens/s
+        gate.record_step(1, True, 3, 0.1)
+    assert not policy.should_draft(2)  # drafting wins, but the plain side is stale: one plain round re-measures it
+    policy.record_round(False, 1, 0.1)
+    assert policy.should_draft(2)
+    ungated = PrefixSchedulerPolicy(flat, online_correction=False)  # the default: no gate
+    ungated.set_realized_gate(RealizedGate())
+    for _ in range(3):
+        ungated.gate.record_step(1, True, 1, 1.0)
+        ungated.gate.record_step(1, False, 1, 0.1)
+    assert not ungated.uses_realized_gate and ungated.should_draft(2)
+    ungated.record_round(True, 1, 1.0)  # ignored without the gate
+    assert len(ungated.gate.realized[(1, True)]) == 3
+    with pytest.raises(ValueError, match="explore_interval"):
+        PrefixSchedulerPolicy(flat, explore_interval=8, max_explore_interval=4)
+
+
+def test_realized_gate_needs_a_margin_to_draft():
+    """Drafting that delivers about as much as plain (within ``DRAFTING_MARGIN``) loses the verdict: its wins are
+    judged on few rounds, and a wrong "draft" costs more than a wrong "plain"."""
+    from hf_dspark.scheduling import DRAFTING_MARGIN
+
+    assert DRAFTING_MARGIN > 1
+    for ratio, allowed in ((1.0, False), (DRAFTING_MARGIN * 0.99, False), (DRAFTING_MARGIN * 1.01, True)):
+        gate = RealizedGate()
+        for _ in range(4):
+            gate.record_step(1, True, 10 * ratio, 1.0)
+        gate.record_step(1, False, 10, 1.0)
+        gate.record_step(1, False, 10, 1.0)
+        assert gate.drafting_allowed(1, 3, 8) is allowed, ratio
+        assert gate.drafting_lost_nearby(2) is not allowed  # a nearby size takes the same verdict
+
+
+def test_realized_gate_measures_each_side_twice_before_a_verdict():
+    """Two drafting rounds and one plain round are no verdict yet: one lucky comparison would keep drafting on for a
+    whole ``explore_interval``. The gate asks for plain rounds until that side has ``VERDICT_ROUNDS`` too, and a
+    nearby batch size does not take a verdict from a size measured less than that."""
+    from hf_dspark.scheduling import VERDICT_ROUNDS
+
+    assert VERDICT_ROUNDS == 2
+    gate = RealizedGate()
+    for _ in range(2):
+        assert gate.drafting_allowed(16, 16, 256, 0)  # nothing measured: free
+        gate.record_step(16, True, 30, 1.0)  # drafting: 30 tokens/s
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # drafting measured, plain not: measure plain
+    gate.record_step(16, False, 16, 1.0)  # one slow plain round (16 tokens/s): drafting would win on it
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # but plain is measured once only: measure it again
+    assert gate.nearby_loss(12) is None and gate.drafting_allowed(12, 16, 256, 0)  # no verdict at 16 for 12 to take
+    gate.record_step(16, False, 48, 1.0)  # plain: 64 tokens in 2 s, 32 tokens/s against drafting's 30
+    assert not gate.drafting_allowed(16, 16, 256, 0)  # the verdict: plain
+    assert gate.nearby_loss(12) == 16 and not gate.drafting_allowed(12, 16, 256, 0)
+    won = RealizedGate()
+    for drafted, tokens in ((True, 40), (True, 40), (False, 16), (False, 16)):
+        won.record_step(16, drafted, tokens, 1.0)
+    assert won.drafting_allowed(16, 16, 256, 0)  # drafting 40 tokens/s against plain's 16: draft
+
+
+def test_a_size_presumed_to_lose_from_a_neighbour_is_measured_itself():
+    """Drafting lost at 5 requests (say, a draining batch's last capped drafts). At 4 it is presumed to lose too, but
+    only until the wait and the budget allow a re-measurement at 4 itself; drafting that wins there stays on."""
+    gate = RealizedGate()
+    for _ in range(3):
+        gate.record_step(5, True, 5, 1.0)  # drafting at 5: 5 tokens/s
+    for _ in range(2):
+        gate.record_step(5, False, 5, 0.5)  # plain at 5: 10 tokens/s
+    assert gate.nearby_loss(4) == 5 and gate.drafting_lost_nearby(4)
+    pattern = []
+    for _ in range(6):
+        allowed = gate.drafting_allowed(4, 4, 64, 0)  # no budget: the wait alone
+        pattern.append(int(allowed))
+        gate.record_step(4, allowed, 4 if not allowed else 12, 0.5)  # at 4: plain 8 tokens/s, drafting 24
+    assert pattern == [0, 0, 0, 0, 1, 1], pattern  # waits 4 rounds, then REMEASURE_ROUNDS drafting rounds
+    assert gate.explore_wait[4] == 8 and gate.realized_rate(4, True) == pytest.approx(24.0)
+    assert gate.nearby_loss(4) == 5  # the neighbour still lost, but 4 has its own verdict now: drafting wins
+    assert gate.drafting_allowed(4, 4, 64, 0) and gate.explore_wait[4] == 4
+    # with a budget, the neighbour's shortfall prices the re-measurement: 2 rounds x 1 s x 50% = 1 s, which 1%
+    # buys after 100 s of plain rounds at this size
+    budgeted = RealizedGate()
+    for _ in range(3):
+        budgeted.record_step(5, True, 5, 1.0)
+    for _ in range(2):
+        budgeted.record_step(5, False, 5, 0.5)
+    rounds = 0
+    while not budgeted.drafting_allowed(4, 4, 10_000, 0.01):
+        budgeted.record_step(4, False, 4, 0.5)
+        rounds += 1
+    assert rounds == 200 and budgeted.fresh_rounds[4] == 0
+
+
+def test_a_verdict_compares_both_sides_over_the_same_stretch():
+    """While drafting wins, plain rounds come one every ``explore_interval``, so the plain window spans far more
+    rounds than the drafting one. A machine that ran slower while the plain window was measured must not keep
+    drafting on: the verdict compares the last ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds since
+    the first of them. Here the machine speeds up 1.5x; drafting then delivers 1.25x the slow plain window but less
+    than the plain rounds of its own stretch."""
+    from hf_dspark.scheduling import MATCHED_PLAIN_ROUNDS, VERDICT_ROUNDS
+
+    assert MATCHED_PLAIN_ROUNDS == 4
+    rows, refresh = 16, 16
+
+    def run(matched: bool) -> list[bool]:
+        gate = RealizedGate()
+        for _ in range(32):
+            gate.record_step(rows, False, 16, 1.0)  # plain in a slow minute: 16 tokens/s
+        for _ in range(2):
+            gate.record_step(rows, True, 30, 1.0)  # drafting then: 30 tokens/s, it wins
+        decisions = []
+        for step in range(6 * refresh):
+            allowed = gate.drafting_allowed(rows, refresh, 1024, 0)
+            decisions.append(allowed)
+            # the machine is now 1.5x faster: plain 24 tokens/s, drafting 20 (it truly loses)
+            gate.record_step(rows, allowed, 20 if allowed else 24, 1.0)
+            if not matched:
+                gate.round_numbers.clear()  # as if no round were numbered: whole windows decide
+        return decisions
+
+    stale = run(matched=False)
+    assert sum(stale) > 5 * refresh  # the old plain window keeps drafting on, a plain round every refresh
+    fresh = run(matched=True)
+    # drafting goes off once MATCHED_PLAIN_ROUNDS refreshed plain rounds exist (and stays off until a re-measurement)
+    assert sum(fresh) <= MATCHED_PLAIN_ROUNDS * (refresh + 1) and not any(fresh[-refresh:]), fresh
+    gate = RealizedGate()  # too few drafting rounds in the stretch: the windows decide
+    for drafted in [False] * 4 + [True] * (VERDICT_ROUNDS - 1):
+        gate.record_step(rows, drafted, 16, 1.0)
+    assert gate.compared_rates(rows) == (gate.drafting_rate(rows), gate.realized_rate(rows, False))
+
+
+def test_a_remeasurement_prices_the_context_catch_up_it_pays_first():
+    """A re-measurement's first round first projects what plain rounds verified while drafting was off (the
+    drafter's context catch-up): when drafting still loses, that is lost too, so the budget must cover it on top of
+    the rounds' shortfall. Without a budget the doubling wait alone decides; ``max_explore_interval`` still caps the
+    wait; a catch-up that is not a number of seconds is refused."""
+
+    def rounds_until_remeasured(catch_up: float, budget: float = 0.01, max_wait: int = 10_000) -> int:
+        gate = RealizedGate()
+        for _ in range(2):
+            gate.record_step(16, True, 8, 1.0)  # drafting: 8 tokens/s
+            gate.record_step(16, False, 8, 0.5)  # plain: 16 tokens/s, so drafting's shortfall is 50%
+        rounds = 0
+        while not gate.drafting_allowed(16, 4, max_wait, budget, catch_up=catch_up):
+            gate.record_step(16, False, 8, 0.5)
+            rounds += 1
+        assert gate.fresh_rounds[16] == 0  # a re-measurement starts
+        return rounds
+
+    # the rounds alone: 2 rounds x 1 s x 50% = 1 s, which 1% buys after 100 s of plain rounds since drafting last
+    # ran (the last measuring plain round and 199 more, of 0.5 s each)
+    assert rounds_until_remeasured(0.0) == 199
+    # a 1 s catch-up on top: 2 s, 200 s of plain rounds
+    assert rounds_until_remeasured(1.0) == 399
+    # no budget: the wait alone (4 rounds since drafting ran: the last measuring plain round and 3 more)
+    assert rounds_until_remeasured(1.0, budget=0) == 3
+    assert rounds_until_remeasured(1e9, max_wait=64) == 63  # never past the longest wait
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="catch_up"):
+            RealizedGate().drafting_verdict(16, 4, 64, 0.01, catch_up=bad)
+
+
+def test_realized_gate_judges_a_remeasurement_on_its_own_rounds():
+    """After a hard stretch filled the drafting window with slow rounds, a re-measurement is judged on its own
+    rounds: drafting that now wins is back on at once, although the whole window (mostly the old stretch) still
+    reads slower than plain. The fresh rounds keep counting until they fill the window."""
+    rows = 16  # a batch size whose window is REALIZED_WINDOW rounds
+    assert realized_window(rows) == REALIZED_WINDOW
+    gate = RealizedGate()
+    for _ in range(REALIZED_WINDOW):
+        gate.record_step(rows, True, 1, 1.0)  # the hard stretch: 1 token/s
+    gate.record_step(rows, False, 1, 0.1)  # plain: 10 tokens/s
+    assert not gate.drafting_allowed(rows, 2, 8, 0)  # drafting lost, last ran 1 round ago
+    gate.record_step(rows, False, 1, 0.1)
+    assert gate.drafting_allowed(rows, 2, 8, 0) and gate.fresh_rounds[rows] == 0  # re-measure now
+    for k in range(REMEASURE_ROUNDS):
+        assert gate.drafting_allowed(rows, 2, 8, 0)  # the re-measurement runs its rounds whatever they show
+        gate.record_step(rows, True, 3, 0.1)  # easy text now: 30 tokens/s
+    assert gate.realized_rate(rows, True) < gate.realized_rate(rows, False)  # the old window would still say "lose"
+    assert gate.realized_rate(rows, True, last=REMEASURE_ROUNDS) == pytest.approx(30.0)
+    assert not gate.drafting_allowed(rows, 2, 8, 0)  # drafting wins; the plain side is stale (2 rounds): refresh it
+    gate.record_step(rows, False, 1, 0.1)
+    assert gate.drafting_allowed(rows, 2, 8, 0) and gate.explore_wait[rows] == 2  # wins: waits reset
+    for _ in range(REALIZED_WINDOW):
+        gate.record_step(rows, True, 3, 0.1)
+    assert rows not in gate.fresh_rounds  # the window is all fresh rounds now
+    # a re-measurement that loses again waits twice as long
+    slow = RealizedGate()
+    for _ in range(4):
+        slow.record_step(rows, True, 1, 1.0)
+    slow.record_step(rows, False, 1, 0.1)
+    slow.record_step(rows, False, 1, 0.1)
+    assert slow.drafting_allowed(rows, 2, 8, 0)
+    for _ in range(REMEASURE_ROUNDS):
+        slow.record_step(rows, True, 1, 1.0)
+    assert not slow.drafting_allowed(rows, 2, 8, 0) and slow.explore_wait[rows] == 4
+
+
+def test_realized_gate_windows_hold_enough_request_rounds():
+    """At few requests a window of 32 rounds is one or two answers' text: a hard answer that made drafting deliver no
+    more than plain rounds would rule drafting out over the next ones, which the cost model already judges step by
+    step. Windows hold at least ``REALIZED_REQUEST_ROUNDS`` request-rounds: one hard stretch of 32 rounds does not
+    overturn what drafting delivered over hundreds at one request, and still does at 16 requests (32-round windows).
+    The plain side is refreshed at the same pace relative to its window."""
+    from hf_dspark.scheduling import REALIZED_REQUEST_ROUNDS
+
+    assert [realized_window(r) for r in (1, 4, 16, 64)] == [REALIZED_REQUEST_ROUNDS, REALIZED_REQUEST_ROUNDS // 4,
+                                                           REALIZED_WINDOW, REALIZED_WINDOW]
+    with pytest.raises(ValueError, match="rows"):
+        realized_window(0)
+    verdicts = {}
+    for rows in (1, 16):
+        gate = RealizedGate()
+        for _ in range(200):
+            gate.record_step(rows, True, 3 * rows, 0.1)  # easy text: drafting delivers 3x plain
+        for _ in range(REALIZED_WINDOW):
+            gate.record_step(rows, True, rows, 0.1)  # a hard answer: drafting delivers what plain does
+        gate.record_step(rows, False, rows, 0.1)
+        gate.record_step(rows, False, rows, 0.1)
+        verdicts[rows] = gate.drafting_allowed(rows, 16, 256, 0)
+        assert len(gate.realized[(rows, True)]) == min(200 + REALIZED_WINDOW, realized_window(rows))
+    assert verdicts == {1: True, 16: False}
+    # the plain side's refresh while drafting wins: every 16 rounds at 16 requests, every 256 at one request
+    for rows, refresh in ((16, 16), (1, 256)):
+        gate = RealizedGate()
+        for _ in range(2):
+            gate.record_step(rows, True, 3 * rows, 0.1)
+            gate.record_step(rows, False, rows, 0.1)
+        drafted = 0
+        while gate.drafting_allowed(rows, 16, 256, 0):
+            gate.record_step(rows, True, 3 * rows, 0.1)
+            drafted += 1
+        assert drafted == refresh
+
+
+def test_round_window_keeps_its_totals():
+    """A realized window's running totals and rates equal sums over the rounds it holds, as rounds are evicted."""
+    from hf_dspark.scheduling import RoundWindow
+
+    rng = random.Random(0)
+    window = RoundWindow(maxlen=5)
+    assert window.rate() is None and window.rate(last=3) is None
+    rounds = []
+    for _ in range(40):
+        rounds.append((float(rng.randint(1, 9)), rng.uniform(0.01, 0.2)))
+        window.append(rounds[-1])
+        held = rounds[-5:]
+        assert list(window) == held
+        assert window.tokens == pytest.approx(sum(e for e, _ in held))
+        assert window.seconds == pytest.approx(sum(s for _, s in held))
+        assert window.rate() == pytest.approx(sum(e for e, _ in held) / sum(s for _, s in held))
+        assert window.rate(last=2) == pytest.approx(sum(e for e, _ in held[-2:]) / sum(s for _, s in held[-2:]))
+    assert window.rate(last=0) is None
+    copy = RoundWindow(list(window), maxlen=5)  # as a saved file restores it
+    assert copy.tokens == pytest.approx(window.tokens) and copy.seconds == pytest.approx(window.seconds)
+    import copy as copying
+    import pickle
+
+    for other in (copying.copy(window), copying.deepcopy(window), pickle.loads(pickle.dumps(window))):
+        assert list(other) == list(window) and other.maxlen == 5
+        assert other.tokens == pytest.approx(window.tokens) and other.seconds == pytest.approx(window.seconds)
+    with pytest.raises(TypeError, match="only takes rounds through append"):
+        window.extend([(1.0, 1.0)])
+    with pytest.raises(TypeError, match="only takes rounds through append"):
+        window.popleft()
+
+
+def test_realized_gate_verdict_is_pure():
+    """``drafting_verdict`` says what ``drafting_allowed`` would, in every branch, and changes nothing; only
+    ``drafting_allowed`` starts a re-measurement or resets the wait."""
+    import copy
+
+    def state(gate):
+        return (dict(gate.explore_wait), dict(gate.fresh_rounds), dict(gate.steps_since), dict(gate.plain_seconds))
+
+    gate = RealizedGate()
+    seen, drafting_rounds = set(), 0
+    for _ in range(80):  # an engine at one batch size: drafting loses at first (hard text), then wins (easy text)
+        before = state(gate)
+        verdict = gate.drafting_verdict(1, 2, 8, 0.02)
+        assert state(gate) == before  # asking changes nothing
+        allowed = gate.drafting_allowed(1, 2, 8, 0.02)
+        assert allowed is verdict[0]
+        if verdict[1] == "remeasure":
+            assert gate.fresh_rounds[1] == 0
+        seen.add(verdict)
+        if allowed:
+            drafting_rounds += 1
+            gate.record_step(1, True, 1, 1.0) if drafting_rounds <= 4 else gate.record_step(1, True, 3, 0.1)
+        else:
+            gate.record_step(1, False, 1, 0.1)
+    assert {(True, None), (False, None), (True, "remeasure"), (True, "reset"), (False, "reset")} <= seen
+
+
+def test_realized_gate_spends_an_exploration_budget():
+    """A losing drafting side is re-measured once the plain rounds since it last drafted have run long enough that
+    the re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is within the
+    budget's fraction of their time: soon after a narrow loss, late after a heavy one, and never later than
+    ``max_explore_interval`` rounds."""
+    assert EXPLORE_BUDGET == 0.005
+
+    def losing_gate(drafting_rate: float) -> RealizedGate:
+        gate = RealizedGate()
+        for _ in range(4):
+            gate.record_step(8, True, drafting_rate, 1.0)  # drafting rounds of 1 s
+        return gate
+
+    def rounds_until_remeasured(drafting_rate: float, budget: float, max_wait: int = 10_000) -> int:
+        gate = losing_gate(drafting_rate)
+        rounds = 0
+        while True:
+            gate.record_step(8, False, 1.0, 0.125)  # plain rounds: 8 tokens/s
+            rounds += 1
+            if gate.drafting_allowed(8, 2, max_wait, budget):
+                return rounds
+
+    # shortfall 50%: a re-measurement loses 2 x 1 s x 0.5 = 1 s, which 2% buys after 50 s of plain rounds (400)
+    assert losing_gate(4.0).remeasure_loss(8, 8.0) == pytest.approx(1.0)
+    assert abs(rounds_until_remeasured(4.0, 0.02) - 400) <= 1
+    assert abs(rounds_until_remeasured(4.0, 0.10) - 80) <= 1
+    # shortfall 12.5%: 0.25 s, bought after 12.5 s (100 rounds); without a budget the doubling wait alone (2 rounds)
+    assert abs(rounds_until_remeasured(7.0, 0.02) - 100) <= 1
+    assert rounds_until_remeasured(7.0, 0.0) == 2
+    assert rounds_until_remeasured(4.0, 0.02, max_wait=64) == 64  # max_explore_interval bounds the wait
+    # the default budget: 0.25 s bought after 50 s of plain rounds (400)
+    assert abs(rounds_until_remeasured(7.0, EXPLORE_BUDGET) - 400) <= 1
+    # a drafting round resets the plain time: the next budget counts from there
+    gate = losing_gate(7.0)
+    for _ in range(90):
+        gate.record_step(8, False, 1.0, 0.125)
+    assert gate.plain_seconds[8] == pytest.approx(11.25) and not gate.drafting_allowed(8, 2, 1000, 0.02)
+    for _ in range(12):
+        gate.record_step(8, False, 1.0, 0.125)
+    assert gate.drafting_allowed(8, 2, 1000, 0.02)
+    gate.record_step(8, True, 7.0, 1.0)
+    assert gate.plain_seconds[8] == 0.0
+    assert RealizedGate().remeasure_loss(8, 8.0) == 0.0  # nothing measured: nothing to lose
+    assert losing_gate(9.0).remeasure_loss(8, 8.0) == 0.0  # drafting wins: no shortfall
+
+
+def test_policy_realized_gate_settings_from_generation_config():
+    from transformers import GenerationConfig
+
+    config = GenerationConfig()
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # default off
+    config.realized_gate = None  # what a restored, never-set attribute looks like
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate
+    assert PrefixSchedulerPolicy.from_generation_config(config, 4).explore_budget == EXPLORE_BUDGET
+    config.realized_gate, config.explore_interval, config.max_explore_interval = True, 3, 9
+    config.explore_budget = 0.0  # kept: no budget
+    policy = PrefixSchedulerPolicy.from_generation_config(config, 4)
+    assert policy.uses_realized_gate and (policy.explore_interval, policy.max_explore_interval) == (3, 9)
+    assert policy.explore_budget == 0.0
+    with pytest.raises(ValueError, match="explore_budget"):
+        PrefixSchedulerPolicy(explore_budget=1.0)
+    config.realized_gate, config.skip_drafting = True, False
+    assert not PrefixSchedulerPolicy.from_generation_config(config, 4).uses_realized_gate  # it only gates skipping
+
+
 def test_policy_skip_decision_smooths_the_drafts_confidences():
     """One unconfident draft after many confident ones does not stop drafting under the default moving average;
     with ``confidence_smoothing=1`` (the last draft alone) it does. A run of unconfident drafts stops it either way."""
@@ -284,3 +668,28 @@ def test_policy_online_correction_learns_overconfidence():
         plain.observe(1, 0)
     assert plain.num_to_verify(conf, 2) == 1
 
+
+def test_realized_gate_measures_drafting_on_representative_rounds_only():
+    """A round marked unrepresentative (most requests at their first step after the prompt, whose drafts are
+    accepted far more often than later ones) never measures drafting: not while drafting is unmeasured, not to start
+    a re-measurement, not inside one; it waits, changing nothing. A verdict already measured holds for it."""
+    gate = RealizedGate()
+    assert not gate.drafting_allowed(16, 16, 256, 0, representative=False)  # unmeasured: wait for a later round
+    assert gate.drafting_verdict(16, 16, 256, 0, representative=False) == (False, None)
+    assert gate.drafting_allowed(16, 16, 256, 0)  # the next, representative round measures
+    won = RealizedGate()
+    for drafted, tokens in ((True, 40), (True, 40), (False, 16), (False, 16)):
+        won.record_step(16, drafted, tokens, 1.0)
+    assert won.drafting_allowed(16, 16, 256, 0, representative=False)  # drafting measured to win: it drafts
+    lost = RealizedGate()
+    for drafted, tokens in ((True, 10), (True, 10), (False, 16), (False, 16)):
+        lost.record_step(16, drafted, tokens, 1.0)
+    for _ in range(16):
+        lost.record_step(16, False, 16, 1.0)  # the wait for a re-measurement is over
+    assert lost.drafting_verdict(16, 16, 256, 0) == (True, "remeasure")
+    assert not lost.drafting_allowed(16, 16, 256, 0, representative=False)
+    assert 16 not in lost.fresh_rounds  # no re-measurement started
+    assert lost.drafting_allowed(16, 16, 256, 0) and lost.fresh_rounds[16] == 0  # it starts on the next round
+    assert not lost.drafting_allowed(16, 16, 256, 0, representative=False)  # and skips an unrepresentative one
+    lost.record_step(16, False, 16, 1.0)
+    assert lost.fresh_rounds[16] == 0 and lost.drafting_allowed(16, 16, 256, 0)

@@ -2,15 +2,19 @@
 ``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay (``hf_dspark.engine.bench``)."""
 
 from .batching import (
+    ENGINE_EXPLORE_BUDGET,
+    ENGINE_MAX_EXPLORE_INTERVAL,
     BatchOutput,
     DeferredDrafterContext,
     DSparkEngine,
     EngineStats,
+    GATE_TOKENS,
     PrefillCost,
     RaggedBatchCache,
     RequestOutput,
     SamplingParams,
     TokenEvent,
+    batch_progress,
     capped_confidences,
     generate_batch,
     greedy_verify,

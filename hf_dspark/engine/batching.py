@@ -63,6 +63,7 @@ from transformers import (
 from ..attention import packed_attention
 from ..generation import DSparkStats, is_dspark_drafter, prompt_lookup
 from ..scheduling import (
+    EXPLORE_BUDGET,
     LookupSurvival,
     OnlineSurvivalCorrection,
     StepsPerSecond,
@@ -81,8 +82,17 @@ from .verification import (
     speculative_verify,
 )
 
+# The engine's exploration budget (``DSparkEngine(explore_budget=)``) and the longest wait between re-measurements of
+# a losing drafting side (``max_explore_interval``). In a batch a re-measurement costs several times the shortfall of
+# its own drafting steps (what ``RealizedGate.remeasure_loss`` prices): its extra tokens make requests finish apart
+# (idle held slots, extra prefill forwards), which its steps do not show. Hence a fifth of single-sequence
+# generation's budget, and a cap long enough that the budget, not the cap, times the re-measurements.
+ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
+ENGINE_MAX_EXPLORE_INTERVAL = 4096
+
 METHODS = ("plain", "fixed", "scheduled", "hybrid")
 SCHEDULED_METHODS = ("scheduled", "hybrid")  # share the verification budget by the SPS curve
+GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``DSparkEngine._sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
 # to its own median. Each width's timings come from other stretches of the run: at 16 requests the width-2 steps
@@ -220,9 +230,10 @@ class EngineStats:
     survival_correction: list[float] = field(default_factory=list)  # online factors per position (scheduler)
     emitted: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)  # whole step (decisions, drafting, verification), no prefill
-    # scheduler steps with candidate rows that drafted nothing, by the reason: "cannot_pay" (not even certain drafts
-    # would be verified), "cost" (the cost model predicted drafting would not pay), "no_budget" (every row's
-    # confidences predicted a zero budget, no probe due)
+    # scheduler steps with candidate rows that drafted nothing, by the reason: "gate" (the realized gate ruled drafting
+    # out at this batch size), "cannot_pay" (not even certain drafts would be verified), "cost" (the cost model
+    # predicted drafting would not pay), "no_budget" (every row's confidences predicted a zero budget, no probe due),
+    # "gate_rows" (the gate refused the rows chosen)
     skips: dict[str, int] = field(default_factory=dict)
     compactions: int = 0
     prefill_calls: int = 0  # prefill forwards (joining requests share one when they join in the same step)
@@ -366,6 +377,32 @@ class DSparkEngine:
             predict would not pay for the drafter's forward (measured as the engine runs): the expected
             ``(R + sum a) / (1 / SPS(B) + t_draft)`` must beat plain decoding's ``R * SPS(R)``, each scaled by what the
             steps this model decided delivered against its prediction for them (``EngineMeasurements.model_factor``).
+        realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
+            per batch size R, tokens per second (counted as ``gate_tokens`` says) over recent whole steps (drafter,
+            context catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where
+            none did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
+            last 4 plain steps against the drafting steps since the first of them, ``RealizedGate.compared_rates``:
+            the two sides from the same stretch of a machine whose speed drifts), R decodes plain, drafting again
+            after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each
+            time drafting is still the slower; back to ``explore_interval`` once it wins). A re-measurement drafts
+            ``REMEASURE_ROUNDS`` steps and is judged on those alone, not on the steps of the stretch that lost. Once
+            drafting has been measured twice at R and plain not yet twice, the next steps decode plain to measure that
+            side (a plain step costs nothing next to plain decoding). A batch size not yet measured takes the verdict
+            of the nearest smaller one measured on both sides (a load rising past sizes where drafting lost does not
+            draft at every new size to find out), and a loss at the nearest larger one up to twice its size (nor does
+            a draining batch on its way down). This catches every cost the model in ``cost_aware`` leaves out or
+            misprices. The decision uses past steps' timings only, so
+            it is lossless.
+        explore_interval, max_explore_interval: steps between re-measurements for ``realized_gate`` (defaults 16 and
+            ``ENGINE_MAX_EXPLORE_INTERVAL``, 4096).
+        explore_budget: ``realized_gate`` re-measures a losing drafting side only once its expected loss (two drafting
+            steps at the measured shortfall, plus the context catch-up of the rows that would draft, at the measured
+            seconds per pending position: ``EngineMeasurements.catch_up``) is at most this fraction of the plain
+            steps' time since drafting last ran at that batch size, or after ``max_explore_interval`` steps
+            (``RealizedGate.drafting_allowed``; 0: the doubling wait alone). Drafting that lost narrowly is
+            re-measured soon, drafting that lost by 45% (SmolLM2 at 64 requests) rarely. Default
+            ``ENGINE_EXPLORE_BUDGET`` (0.001, a fifth of single-sequence generation's: in a batch a re-measurement also
+            desynchronises the requests, which its steps do not show).
         online_correction: under the scheduler, rescale the drafter's survivals by how often verified prefixes were
             actually accepted so far in this engine (``OnlineSurvivalCorrection``), for prompts unlike the
             calibration set.
@@ -375,7 +412,7 @@ class DSparkEngine:
             ``sps=None``; an SPS passed in is used as given unless this is True).
         confidence_prior: under the scheduler, a joining request starts from the mean confidences of every draft so
             far (when there are any; kept in ``measurements``, so an engine sharing them starts from what earlier
-            engines drafted) instead of drafting at once: it drafts when those predict a budget (and the cost model
+            engines drafted) instead of drafting at once: it drafts when those predict a budget (and the cost gate
             agrees), else it first probes after ``probe_interval`` steps. Short requests do not pay a drafter
             forward each just to learn what the others already show.
         confidence_smoothing: under the scheduler, a request's skip decisions use a moving average of its drafts'
@@ -398,6 +435,14 @@ class DSparkEngine:
             prices its decisions with, and adds to. Pass the same object to several engines (or one loaded from a
             file) and each starts from what the others measured instead of paying to learn it again; it must come
             from the same target, drafter, device, dtype and thread count (else ``ValueError``). Default: a fresh one.
+        gate_tokens: what ``realized_gate`` counts as a step's output: ``"progress"`` (the default,
+            ``batch_progress``) the batch's rows times how much the step lowered the most new tokens any of its
+            requests has left: the steps the batch as a whole saved, which is what a drafting step buys when its
+            requests finish together (those joining after them are prefilled together, ``admission_hold``; or none
+            are waiting): at 16 requests in step, drafts accepted by some rows and not by the one furthest from done
+            only make the others wait. A plain step counts its rows either way, one request what it emitted; where
+            rows are out of step it is a lower bound. ``"emitted"``: the tokens the step emitted. The count is kept
+            with the measurements (``EngineMeasurements.gate_tokens``): windows counted the other way are refused.
         lookup_max_ngram: under ``"hybrid"``, the longest suffix of a request's tokens that prompt lookup matches
             (``hf_dspark.generation.prompt_lookup``).
         seed: seeds the engine's generator (drafting, acceptance and target sampling).
@@ -409,10 +454,13 @@ class DSparkEngine:
     def __init__(self, target, drafter=None, *, method: str | None = None, num_verify_tokens: int | None = None,
                  schedule: str = "padded", sps: Any = None, max_concurrency: int | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64, cost_aware: bool = True,
+                 realized_gate: bool = True, explore_interval: int = 16,
+                 max_explore_interval: int = ENGINE_MAX_EXPLORE_INTERVAL, explore_budget: float = ENGINE_EXPLORE_BUDGET,
                  online_correction: bool = True, adapt_sps: bool | None = None, confidence_prior: bool = True,
                  confidence_smoothing: float = 0.1, max_prefill_tokens: int = 16384,
                  prefill_cost: PrefillCost | None = None, admission_hold: float = ADMISSION_HOLD,
-                 measurements: EngineMeasurements | None = None, lookup_max_ngram: int = 4, seed: int = 0,
+                 measurements: EngineMeasurements | None = None, gate_tokens: str = "progress",
+                 lookup_max_ngram: int = 4, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter, tokenizer=None):
         method = method or ("scheduled" if drafter is not None else "plain")
         if method not in METHODS:
@@ -429,6 +477,13 @@ class DSparkEngine:
             raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
         if max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
+        if explore_interval < 1:
+            raise ValueError(f"explore_interval must be >= 1, got {explore_interval}")
+        if max_explore_interval < explore_interval:
+            raise ValueError(f"max_explore_interval ({max_explore_interval}) must be >= explore_interval "
+                             f"({explore_interval})")
+        if not 0.0 <= explore_budget < 1.0:
+            raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if prefill_cost is not None and not isinstance(prefill_cost, PrefillCost):
@@ -437,6 +492,8 @@ class DSparkEngine:
             raise ValueError(f"admission_hold must be a finite number >= 0, got {admission_hold}")
         if not 0.0 < confidence_smoothing <= 1.0:
             raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
+        if gate_tokens not in GATE_TOKENS:
+            raise ValueError(f"unknown gate_tokens {gate_tokens!r}; expected one of {GATE_TOKENS}")
         if lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {lookup_max_ngram}")
         self.target = target
@@ -463,6 +520,10 @@ class DSparkEngine:
         self.max_probe_interval = max_probe_interval
         self.cost_aware = cost_aware
         self.scheduled = method in SCHEDULED_METHODS
+        self.realized_gate = realized_gate and cost_aware and self.scheduled
+        self.explore_interval = explore_interval
+        self.max_explore_interval = max_explore_interval
+        self.explore_budget = explore_budget
         self.confidence_prior = confidence_prior
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
@@ -470,8 +531,12 @@ class DSparkEngine:
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
+        if self.realized_gate:
+            self.measurements.bind_gate_tokens(gate_tokens)
         self._priced_tables: dict[int, tuple[int, torch.Tensor]] = {}
         self._prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this step
+        self._gate_ruled_out = False  # this step's drafting was ruled out by the realized gate alone
+        self.gate_tokens = gate_tokens
         self.lookup_max_ngram = lookup_max_ngram
         # method "hybrid": per-position acceptance of lookup drafts by match length, learnt from their own rounds
         self.lookup = LookupSurvival(self.block_size) if method == "hybrid" else None
@@ -572,7 +637,9 @@ class DSparkEngine:
         if not self._rows:
             return events
         rows = self._rows
-        caps = [min(self.block_size, r.remaining - 1) for r in rows]
+        remaining = [r.remaining for r in rows]
+        caps = [min(self.block_size, left - 1) for left in remaining]
+        representative = self._representative()
 
         if self.scheduled:
             self._profiled_table(len(rows))  # a first profile (cached afterwards) is not part of any step's time
@@ -581,19 +648,24 @@ class DSparkEngine:
         lookups = self._lookups(caps) if self.lookup is not None else {}
         block_caps = [0 if i in lookups else cap for i, cap in enumerate(caps)] if lookups else caps
         capacity = self._topk_capacity(block_caps) if self.scheduled and self.schedule == "topk" else None
-        drafting = self._drafting_rows(block_caps, capacity)
+        drafting = self._drafting_rows(block_caps, capacity, representative)
         drafts = None
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
+            pending = self._context.pending_positions(drafting)
+            started = time.perf_counter()
             self._context.flush(self.drafter, drafting)
+            if pending:
+                self.measurements.record_catch_up(pending, time.perf_counter() - started)
             started = time.perf_counter()
             drafts = self._draft(drafting)
             self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
         lengths = self._verification_lengths(caps, drafts, capacity, lookups)
-        # The cost model's prediction is checked below, on the steps it decided: not those whose output includes
-        # lookup drafts, which the model does not price.
-        checked = self.scheduled and self.cost_aware and not lookups
+        # The cost model's prediction is checked below, on the steps it decided: not those the realized gate ruled out
+        # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests),
+        # nor those whose output includes lookup drafts, which the model does not price.
+        checked = self.scheduled and self.cost_aware and not self._gate_ruled_out and not lookups
         # a plain step's model price, from the table the decision used (the verify below reprices it)
         plain_seconds = 1.0 / float(self._sps_table(len(rows))[len(rows)]) if checked and not drafting else None
         self.stats.cache_widths.append(self._cache.width)
@@ -675,11 +747,41 @@ class DSparkEngine:
         self.stats.verify_s += t2 - t1
         seconds = time.perf_counter() - t0
         self.stats.seconds.append(seconds)
+        # What the whole step delivered (a first step is not typical). The gate weighs the drafter's steps against
+        # steps without it; a step with lookup drafts is neither.
+        if self.realized_gate and representative and not looked_up:
+            output = emitted if self.gate_tokens == "emitted" else batch_progress(remaining, new_counts)
+            self.measurements.record_step(len(rows), bool(drafting), output, seconds)
         if checked and drafting and self._prediction is not None:
             self.measurements.record_model_check(_bucket(len(rows)), True, *self._prediction, emitted, seconds)
         elif plain_seconds is not None:
             self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
+
+    def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None,
+                                  rows: Sequence[int] = ()) -> bool:
+        """``realized_gate``: whether this step may draft at ``num_requests`` rows, from past whole-step rates
+        (``representative``: this step's ``_representative()``, computed here when not given; ``rows``: those that
+        would draft, whose context catch-up a re-measurement pays)."""
+        if representative is None:
+            representative = self._representative()
+        return self.measurements.drafting_allowed(num_requests, self.explore_interval, self.max_explore_interval,
+                                                  self.explore_budget, representative, self._catch_up(rows))
+
+    def _catch_up(self, rows: Sequence[int]) -> float:
+        """Expected seconds of projecting the pending target features of ``rows`` into the drafter's context (what a
+        drafting step pays first after they decoded plain), at the engine's measured price per position."""
+        if self._context is None or not rows:
+            return 0.0
+        return self.measurements.catch_up_seconds(self._context.pending_positions(rows))
+
+    def _representative(self) -> bool:
+        """Whether this step is like most for the realized gate: not one where most requests take their first step
+        after the prompt. Those drafts are accepted about twice as often (SmolLM2's embedded drafter at 16 requests:
+        73% of first drafted tokens against 30-56% later, a response's opening being the most predictable text), so
+        a drafting verdict measured on them, two rounds, says "draft" where later steps lose. Nor do they enter the
+        gate's windows: a re-measurement that drafted through a batch's first step would be judged on it."""
+        return not self._rows or 2 * sum(len(request.tokens) <= 1 for request in self._rows) < len(self._rows)
 
     # --------------------------------------------------------------------------------------------------------------
     # Joining: prefill the new requests together (right-padded), then append their rows
@@ -920,18 +1022,30 @@ class DSparkEngine:
         capped = capped_confidences(filled, torch.tensor(caps, device=stale.device))
         return dynamic_topk_capacity(capped.cpu(), self._sps_table(len(caps)).cpu())
 
-    def _drafting_rows(self, caps: list[int], capacity: int | None) -> list[int]:
+    def _drafting_rows(self, caps: list[int], capacity: int | None, representative: bool | None = None) -> list[int]:
         """Rows that draft this step. Under the scheduler, a request whose earlier confidences predict a zero budget
         skips drafting (its draft could not be verified) until its next probe; and with ``cost_aware`` the requests
         predicted to verify drafts skip drafting too when the predicted gain does not cover the drafter's measured
         cost (until one of them is due for a probe, which also refreshes the cost). The decision uses no
-        information from this step's drafts, so it cannot bias the output."""
+        information from this step's drafts, so it cannot bias the output. ``representative``: this step's
+        ``_representative()`` (``step`` computes it once for the gate and its own records; here when not given)."""
         self._prediction = None
+        self._gate_ruled_out = False
         if self.method == "plain" or self.num_verify_tokens == 0:
             return []
         candidates = [i for i, cap in enumerate(caps) if cap > 0]
         if self.method == "fixed" or not candidates:
             return candidates
+        if representative is None:
+            representative = self._representative()
+        if self.realized_gate and not self.measurements.drafting_verdict(
+                len(caps), self.explore_interval, self.max_explore_interval, self.explore_budget, representative,
+                self._catch_up(candidates))[0]:
+            # The realized gate rules drafting out at this batch size this step whichever rows would draft (the
+            # gate, asked below only once rows are chosen, would refuse them): skip the confidences and schedules,
+            # about a millisecond, 1-2% of a plain step at 16 requests.
+            self._gate_ruled_out = True
+            return self._skip("gate")
         cap_tensor = torch.tensor(caps, device=self.device)
         table = self._sps_table(len(caps))
         if not self._drafts_can_pay(cap_tensor, table):
@@ -958,6 +1072,8 @@ class DSparkEngine:
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due). With
             # every row chosen this is the question answered above.
             return self._skip("cannot_pay")
+        if self.realized_gate and not self._realized_allows_drafting(len(caps), representative, chosen):
+            return self._skip("gate_rows")
         return chosen
 
     def _skip(self, reason: str) -> list[int]:
@@ -1148,6 +1264,16 @@ class DSparkEngine:
         return accepted.tolist(), next_tokens.tolist()
 
 
+def batch_progress(remaining: Sequence[int], emitted: Sequence[int]) -> int:
+    """A step's output as the realized gate counts it by default (``gate_tokens="progress"``): the rows times how
+    much the step lowered the most new tokens any row has left (``remaining`` before it, less what each row
+    ``emitted``; a row ended by EOS counts as if it had not been). With every row equally far from done that is the
+    rows times the least any of them advanced; a plain step counts its rows, a single request what it emitted."""
+    if len(remaining) != len(emitted) or not remaining:
+        raise ValueError(f"batch_progress needs one emitted count per row, got {len(remaining)} and {len(emitted)}")
+    return len(remaining) * (max(remaining) - max(left - new for left, new in zip(remaining, emitted)))
+
+
 def nondecreasing_fit(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent violators): runs that decrease are
     replaced by their weighted mean, merging until the sequence never decreases."""
@@ -1232,12 +1358,16 @@ __all__ = [
     "BatchOutput",
     "DSparkEngine",
     "DeferredDrafterContext",
+    "ENGINE_EXPLORE_BUDGET",
+    "ENGINE_MAX_EXPLORE_INTERVAL",
     "EngineStats",
+    "GATE_TOKENS",
     "PrefillCost",
     "RaggedBatchCache",
     "RequestOutput",
     "SamplingParams",
     "TokenEvent",
+    "batch_progress",
     "capped_confidences",
     "generate_batch",
     "greedy_verify",

@@ -98,7 +98,10 @@ def _pretouch_heap(libc, size: int, chunk: int) -> None:
 
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
     """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine keyword
-    arguments (``hybrid`` takes every option of ``scheduled``). Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
+    arguments (``hybrid`` takes every option of ``scheduled``); ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``,
+    ``scheduled=prefix,ungated``) turns the engine's realized gate off, to measure what it brings, and
+    ``scheduled=...,emitted`` has its realized gate count the tokens each step emitted (``gate_tokens="emitted"``)
+    instead of the batch's progress. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
     ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings; and
     ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded forward): a ``PrefillCost`` with
     ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards brings."""
@@ -128,13 +131,17 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
             raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
     if name in SCHEDULED_METHODS:
-        schedules = ([value] if value else []) + rest
+        options = ([value] if value else []) + rest
+        flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
+        schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            form = f"{name}[=SCHEDULE][,hold=H][,prefill=F]"
+            form = f"{name}[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
             raise ValueError(f"method {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
-        return {"method": name, "schedule": schedules[0] if schedules else default_schedule, **kwargs}
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N], scheduled[=padded|prefix|topk] or hybrid "
-                     f"with the options of scheduled, each with optional ,hold=H and ,prefill=F")
+        out = {"method": name, "schedule": schedules[0] if schedules else default_schedule}
+        out.update(flags[part] for part in options if part in flags)
+        return {**out, **kwargs}
+    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N], scheduled[=padded|prefix|topk][,ungated]"
+                     f"[,emitted] or hybrid with the options of scheduled, each with optional ,hold=H and ,prefill=F")
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:
@@ -279,8 +286,8 @@ def run_lockstep(target, drafter, prompts: list[list[int]], params: SamplingPara
     An engine's step runs just after another's, and finds the caches and allocator as that one left them. With plain,
     fixed and scheduled, fixed's extra tokens shift the turns so that scheduled follows fixed's wide steps more often
     than plain does, which moves their ratio by a few percent; balancing the turns instead makes the scheduled
-    engine's own steps alternate between warm and cold predecessors, noise in the timings its cost model learns
-    from. So the turns stay as they are; compare two methods at a time for the scheduled engine's own cost
+    engine's own steps alternate between warm and cold predecessors, noise its realized gate can read as drafting
+    winning. So the turns stay as they are; compare two methods at a time for the scheduled engine's own cost
     (``bench_serve(lockstep="pairs")`` runs every comparison that way)."""
     from tqdm.auto import tqdm
 

@@ -200,7 +200,7 @@ class DeferredDrafterContext(_ColumnAligned):
         self.pending = pending if pending is not None else [[] for _ in range(num_rows)]
         if len(self.pending) != num_rows:
             raise ValueError(f"{len(self.pending)} pending lists for {num_rows} rows")
-        # pending positions per row, kept as rows come and go
+        # pending positions per row, kept as rows come and go (the realized gate prices a catch-up every step)
         self.pending_counts = [sum(entry.count for entry in row) for row in self.pending]
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -235,6 +235,10 @@ class DeferredDrafterContext(_ColumnAligned):
 
     def num_pending(self, row: int) -> int:
         return self.pending_counts[row]
+
+    def pending_positions(self, rows: Sequence[int]) -> int:
+        """Pending positions over ``rows``: what projecting them (``flush``) has to go through."""
+        return sum(self.pending_counts[r] for r in rows)
 
     def flush(self, drafter, rows: Sequence[int]) -> None:
         """Project the pending features of ``rows`` into context K/V (one batched forward of the drafter's context

@@ -1,8 +1,8 @@
 """What a ``DSparkEngine`` measures about its hardware, kept apart from any one engine.
 
 The engine prices its decisions with timings of past steps: the drafter's forward per number of drafting rows, the
-verify forward per (rows, block width), and how far the cost model's predictions missed what the steps delivered.
-An engine that starts from nothing pays to learn these: its first steps at a
+verify forward per (rows, block width), and the tokens per second whole steps delivered at each batch size with and
+without drafting (the realized gate). An engine that starts from nothing pays to learn these: its first steps at a
 new batch size draft before anything says whether drafting pays there. A server learns them once; so can a set of
 engines that share one ``EngineMeasurements`` (pass the same object to each), and ``save`` / ``load`` carry them
 across processes. A file is keyed by target, drafter, device, dtype and thread count: measurements taken under
@@ -18,8 +18,11 @@ import statistics
 from collections import deque
 from pathlib import Path
 
+from ..scheduling import RealizedGate, RoundWindow, realized_window
+
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
+CATCH_UP_WINDOW = 16  # recent context catch-ups behind the price of a catch-up per position
 MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
 MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
 
@@ -50,7 +53,7 @@ def _comparable(field: str, value):
     return value
 
 
-class EngineMeasurements:
+class EngineMeasurements(RealizedGate):
     """An engine's recent step timings, shareable across engines and savable as JSON.
 
     - ``draft_cost[bucket]``: seconds of one drafter forward for a number of drafting rows (power-of-2 bucket);
@@ -59,6 +62,17 @@ class EngineMeasurements:
       average of a rarely run width is mostly its last few timings), and ``verify_count[(rows, width)]`` how many
       timings it has seen (``timings``: how many stand behind the price, which decides how far the engine trusts it
       over the profile);
+    - ``realized[(rows, drafted)]``: ``(tokens, seconds)`` of the last ``realized_window(rows)`` whole steps
+      (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with some request
+      drafting or none; their rate is total tokens over total seconds, so one slow step (a hiccup of a shared
+      machine) moves it by a thirty-second (less in longer windows), not by the 30% a moving average would. The
+      tokens are counted as ``gate_tokens`` says (``DSparkEngine(gate_tokens=)``: the batch's progress, or the
+      tokens emitted; files written before it have emitted tokens);
+
+    - ``catch_up``: the last ``CATCH_UP_WINDOW`` context catch-ups, ``(positions, seconds)``: a drafting step first
+      projects the target features its rows verified while they did not draft; ``catch_up_seconds(positions)`` prices
+      the next one at their total seconds over total positions (the realized gate's price of a re-measurement);
+
     - ``confidence_sum`` / ``confidence_count``: the summed per-position confidences of every draft measured, whose
       mean (``confidence_prior``) a joining request starts from (``DSparkEngine(confidence_prior=True)``): a new
       engine sharing these measurements does not draft every first request just to learn what earlier ones showed;
@@ -67,20 +81,23 @@ class EngineMeasurements:
       tokens, seconds)``; ``model_factor`` is what they delivered over what the model predicted (in memory only).
 
     ``version`` increases with every verify timing (the engine rebuilds its repriced SPS tables on a change).
-    ``from_dict`` reads the entries above; any others a file holds (such as ``realized`` step windows) are left
-    unread.
     """
 
     def __init__(self, key: dict | None = None):
+        super().__init__()
         self.key = key
         self.draft_cost: dict[int, float] = {}
         self.verify_cost: dict[tuple[int, int], float] = {}
         self.verify_count: dict[tuple[int, int], int] = {}
         self._verify_window: dict[tuple[int, int], deque[float]] = {}
         self.model_checks: dict[tuple[int, bool], deque[tuple[float, float, float, float]]] = {}
+        # (positions, seconds) pairs with running totals: the same window as the realized gate's (tokens, seconds)
+        self.catch_up = RoundWindow(maxlen=CATCH_UP_WINDOW)
         self.confidence_sum: list[float] | None = None
         self.confidence_count = 0
         self.version = 0
+        # how the realized windows count a step's tokens (``DSparkEngine(gate_tokens=)``); None until an engine binds
+        self.gate_tokens: str | None = None
 
     # -- recording -----------------------------------------------------------------------------------------------
     def record_draft(self, bucket: int, seconds: float) -> None:
@@ -93,6 +110,17 @@ class EngineMeasurements:
         self.verify_cost[key] = statistics.median(window)
         self.verify_count[key] = self.verify_count.get(key, 0) + 1
         self.version += 1
+
+    def record_catch_up(self, positions: int, seconds: float) -> None:
+        """One context catch-up: ``positions`` pending target positions projected in ``seconds``."""
+        if positions < 1 or not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"a catch-up needs positions >= 1 and finite seconds >= 0, got {positions}, {seconds}")
+        self.catch_up.append((int(positions), float(seconds)))
+
+    def catch_up_seconds(self, positions: int) -> float:
+        """The expected seconds of catching up ``positions`` pending positions (0 before any catch-up was timed)."""
+        rate = self.catch_up.rate()  # positions per second (None before the first, inf for free ones)
+        return positions / rate if rate else 0.0
 
     def record_confidences(self, total: list[float], count: int) -> None:
         """Add ``count`` drafts whose per-position confidences sum to ``total``."""
@@ -155,18 +183,32 @@ class EngineMeasurements:
             raise ValueError(f"these engine measurements were taken under other conditions ({details}); "
                              "use a fresh EngineMeasurements (or another file) for this setup")
 
+    def bind_gate_tokens(self, gate_tokens: str) -> None:
+        """Record how the engine using these measurements counts a step's tokens in the realized windows; refuse
+        windows counted another way (their rates are not comparable)."""
+        if self.gate_tokens is None:
+            self.gate_tokens = gate_tokens
+        elif gate_tokens != self.gate_tokens:
+            raise ValueError(f"these measurements' realized windows count {self.gate_tokens!r} tokens, the engine "
+                             f"{gate_tokens!r}: use DSparkEngine(gate_tokens={self.gate_tokens!r}) or fresh "
+                             "measurements")
+
     def to_dict(self) -> dict:
         return {
             "key": self.key,
+            "gate_tokens": self.gate_tokens,
             "draft_cost": [[bucket, seconds] for bucket, seconds in sorted(self.draft_cost.items())],
             "verify_cost": [[rows, width, seconds, self.timings(rows, width)]
                             for (rows, width), seconds in sorted(self.verify_cost.items())],
+            "realized": [[rows, drafted, [list(step) for step in window]]
+                         for (rows, drafted), window in sorted(self.realized.items())],
             "confidence_prior": [self.confidence_count, self.confidence_sum],
+            "catch_up": [list(entry) for entry in self.catch_up],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineMeasurements":
-        missing = [k for k in ("key", "draft_cost", "verify_cost") if k not in data]
+        missing = [k for k in ("key", "draft_cost", "verify_cost", "realized") if k not in data]
         if missing:
             raise ValueError(f"not an engine measurements file: missing {missing}")
         out = cls(data["key"])
@@ -180,11 +222,19 @@ class EngineMeasurements:
             # the median's window is not saved: it restarts from the saved price, held by as many timings as stood
             # behind it
             out._verify_window[key] = deque([out.verify_cost[key]] * out.timings(*key), maxlen=VERIFY_WINDOW)
+        out.realized = {(int(r), bool(d)): RoundWindow(steps, maxlen=realized_window(int(r)))
+                        for r, d, steps in data["realized"]}
         if data.get("confidence_prior") is not None:  # files before it carry none
             count, sums = data["confidence_prior"]
             if sums is not None:
                 out.record_confidences(sums, count)
+        for entry in data.get("catch_up") or []:  # files before it carry none
+            if len(entry) != 2:
+                raise ValueError(f"not an engine measurements file: catch_up entry {entry!r}")
+            out.record_catch_up(int(entry[0]), float(entry[1]))
         out.version = 1 if out.verify_cost else 0
+        # files before it counted the tokens each step emitted (and those without realized windows, nothing)
+        out.gate_tokens = data.get("gate_tokens", "emitted" if out.realized else None)
         return out
 
     def save(self, path: str | Path) -> Path:
@@ -200,5 +250,5 @@ class EngineMeasurements:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-__all__ = ["EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
+__all__ = ["CATCH_UP_WINDOW", "EMA_WEIGHT", "MODEL_PRIOR_STEPS", "MODEL_WINDOW", "VERIFY_WINDOW", "EngineMeasurements",
            "ema", "measurement_key"]

@@ -35,9 +35,14 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
-    from .scheduling import LookupSurvival, VerificationPolicy, policy_from_generation_config
+    from .scheduling import LookupSurvival, RealizedGate, VerificationPolicy, policy_from_generation_config
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from scheduling import LookupSurvival, VerificationPolicy, policy_from_generation_config  # type: ignore[no-redef]
+    from scheduling import (  # type: ignore[no-redef]
+        LookupSurvival,
+        RealizedGate,
+        VerificationPolicy,
+        policy_from_generation_config,
+    )
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -239,6 +244,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
             self.policy.set_sps(_profile_target(target, self.block_size + 1))
+        if self.policy.uses_realized_gate:
+            self.policy.set_realized_gate(realized_gate_for(drafter, target))
         if self.policy.uses_lookup:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -255,6 +262,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
         # Whole-round timing for the policy: a round runs from one get_candidates call to the next (drafter,
         # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
+        self._round_started: float | None = None
+        self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
         self._cuda = target.device.type == "cuda"
         self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
 
@@ -320,6 +329,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup)."""
+        now = time.perf_counter()
+        if self._round_started is not None and self._finished_round is not None:
+            self.policy.record_round(*self._finished_round, now - self._round_started)
+        self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
         anchor_position = input_ids.shape[1] - 1
         max_drafts = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
@@ -401,6 +414,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return  # the prefill round
         drafted, verified, confidences, confidence_logits, draft_ids, source, match_length = self._pending_round
         accepted = int(num_matches)
+        self._finished_round = (source == "block", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if verdict is not None:
             self.stats.add_stamps(*self._stamps, verdict)
@@ -481,6 +495,11 @@ def _shared_per_target(drafter, target, attribute: str, factory):
     if key not in shared:
         shared[key] = factory()
     return shared[key]
+
+
+def realized_gate_for(drafter, target) -> RealizedGate:
+    """The ``RealizedGate`` that ``generate()`` calls with this drafter and this target share."""
+    return _shared_per_target(drafter, target, "_dspark_realized_gates", RealizedGate)
 
 
 def lookup_survival_for(drafter, target) -> LookupSurvival:
@@ -676,5 +695,6 @@ __all__ = [
     "is_dspark_drafter",
     "lookup_survival_for",
     "prompt_lookup",
+    "realized_gate_for",
     "validate_dspark_request",
 ]
