@@ -119,12 +119,27 @@ def _setup_target(args, dtype_name: str | None = None):
 
 
 def cmd_generate(args) -> int:
-    """DSpark-assisted greedy generation next to plain greedy generation, with tokens/s and accepted length."""
+    """DSpark-assisted greedy generation next to plain greedy generation, with tokens/s and accepted length.
+
+    Prints what it is doing on stderr (loading, the one-time GGUF conversion and SPS profiling) and streams the DSpark
+    run's text as it is generated; plain generation follows, then the comparison."""
     import hf_dspark  # noqa: F401  (installs the generate() dispatch)
+
+    from transformers import TextStreamer
 
     from .defaults import load_drafter_for
 
+    def step(message: str) -> None:
+        print(f"[generate] {message}", file=sys.stderr, flush=True)
+
     torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    if args.target is None:
+        from .target import smollm2_converted
+
+        if not smollm2_converted():
+            step("converting the SmolLM2-135M-Instruct GGUF file to a cached safetensors folder (once, ~20 s)")
+    step(f"loading the target ({args.dtype})")
     target, tokenizer, dtype = _setup_target(args)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=dtype)
     # Default: the hybrid (drafter block or prompt lookup, whichever the cost model prices higher) where the drafter
@@ -133,28 +148,39 @@ def cmd_generate(args) -> int:
     drafter.generation_config.verification_policy = policy
     if args.threshold is not None:
         drafter.generation_config.confidence_threshold = args.threshold
+    if policy in ("scheduler", "hybrid"):
+        from .profiling import load_or_profile, profile_path
+
+        if not profile_path(target).is_file():
+            step("profiling the target's steps per second by verification width (once per machine, dtype and "
+                 "thread count; cached)")
+        load_or_profile(target, drafter.config.block_size + 1)
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     if args.stop:
         settings.update(stop_strings=list(args.stop), tokenizer=tokenizer)
+    runs = (("dspark", {"assistant_model": drafter}), ("plain", {}))
+    for _, extra in runs:  # warm-up (first-call costs) outside the timed runs
+        target.generate(**inputs, **{**settings, "max_new_tokens": 4}, **extra)
+    step(f"ready after {time.perf_counter() - started:.0f} s")
     print(f"target: {args.target or 'SmolLM2-135M-Instruct'} ({args.dtype}); drafter: {origin}; verification "
           f"policy: {policy}", flush=True)
+    print("-" * 60, flush=True)
     results = {}
-    runs = (("plain", {}), ("dspark", {"assistant_model": drafter}))
-    for _, extra in runs:  # warm-up (first-call costs, SPS profiling) outside the timed runs
-        target.generate(**inputs, **{**settings, "max_new_tokens": 4}, **extra)
     for name, extra in runs:
+        # The DSpark run streams its text; decoding each accepted chunk costs microseconds beside a forward.
+        streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if name == "dspark" else None
         start = time.perf_counter()
-        out = target.generate(**inputs, **settings, **extra)
+        out = target.generate(**inputs, **settings, **extra, streamer=streamer)
         elapsed = time.perf_counter() - start
+        if name == "dspark":
+            print("-" * 60, flush=True)
+            step("plain greedy generate() for comparison")
         new_tokens = out.shape[1] - inputs["input_ids"].shape[1]
         results[name] = {"tokens": new_tokens, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed,
                          "ids": out[0, inputs["input_ids"].shape[1]:].tolist()}
     stats = drafter.last_stats
-    text = tokenizer.decode(results["dspark"]["ids"], skip_special_tokens=True)
-    print(text)
-    print("-" * 60)
     print(f"plain greedy : {results['plain']['tokens']} tokens, {results['plain']['tokens_per_s']:.1f} tok/s")
     print(f"DSpark greedy: {results['dspark']['tokens']} tokens, {results['dspark']['tokens_per_s']:.1f} tok/s, "
           f"accepted length tau={stats.accepted_length:.2f} over {stats.rounds} rounds")

@@ -38,6 +38,11 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def smollm2_converted() -> bool:
+    """Whether SmolLM2's GGUF file has been converted to the cached safetensors folder (loading is then quick)."""
+    return _is_complete(cache_root() / "targets" / SMOLLM2_NAME)
+
+
 def smollm2_folder() -> Path:
     """Return a transformers folder (config, tokenizer, safetensors) for SmolLM2-135M-Instruct, converting once."""
     folder = cache_root() / "targets" / SMOLLM2_NAME

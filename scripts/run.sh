@@ -3,6 +3,6 @@
 # greedy generate(); prints tokens/s and the accepted length. Extra arguments go to `hf-dspark generate`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup_env.sh
+./scripts/setup_env.sh --runtime
 export HF_HUB_OFFLINE=1
 exec .venv/bin/hf-dspark generate "$@"
