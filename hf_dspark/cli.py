@@ -149,12 +149,13 @@ def cmd_generate(args) -> int:
     if args.threshold is not None:
         drafter.generation_config.confidence_threshold = args.threshold
     if policy in ("scheduler", "hybrid"):
+        from .generation import sps_width
         from .profiling import load_or_profile, profile_path
 
         if not profile_path(target).is_file():
             step("profiling the target's steps per second by verification width (once per machine, dtype and "
                  "thread count; cached)")
-        load_or_profile(target, drafter.config.block_size + 1)
+        load_or_profile(target, sps_width(drafter))
     messages = [{"role": "user", "content": args.prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
@@ -226,7 +227,7 @@ def cmd_train(args) -> int:
         confidence_target=args.confidence_target, train_modules=args.train_modules, max_steps=args.max_steps,
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
-        mixed_precision=args.mixed_precision, seed=args.seed, save_every=args.save_every,
+        mixed_precision=args.mixed_precision, compile_losses=args.compile_losses, seed=args.seed, save_every=args.save_every,
         log_every=args.log_every, threads=args.threads, eval_data_dirs=args.eval_data, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences,
         init_layers_from_target=args.init_layers_from_target, add_layers=args.add_layers,
@@ -283,9 +284,10 @@ def cmd_bench(args) -> int:
     if args.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": args.prompt_lookup}
     if any(m.get("verification_policy") in ("scheduler", "hybrid") for m in methods.values()):
+        from .generation import sps_width
         from .profiling import load_or_profile
 
-        load_or_profile(target, max(m["drafter"].config.block_size for m in methods.values() if "drafter" in m) + 1)
+        load_or_profile(target, max(sps_width(m["drafter"]) for m in methods.values() if "drafter" in m))
     report = run_rollouts(target, tokenizer, None, args.prompts, methods, num_prompts=args.num_prompts,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                           multi_turn=not args.first_turn_only)
@@ -659,6 +661,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="auto",
                        help="bf16 autocast; auto: where the device multiplies bf16 natively (CUDA, AVX512-BF16 or "
                             "AMX CPUs), else float32")
+    train.add_argument("--compile-losses", action="store_true",
+                       help="compute the vocabulary-wide loss terms with torch.compile (the first step compiles)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--save-every", type=int, default=100)
     train.add_argument("--log-every", type=int, default=10)

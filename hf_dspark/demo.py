@@ -323,7 +323,9 @@ class DemoRunner:
         if name in ("scheduler", "hybrid"):
             from .profiling import load_or_profile  # measured once per device/dtype/threads, then cached
 
-            sps = load_or_profile(self.target, self.block_size + 1, time_budget_s=self.sps_time_budget_s)
+            from .generation import sps_width
+
+            sps = load_or_profile(self.target, sps_width(self.drafter), time_budget_s=self.sps_time_budget_s)
         return make_policy(name, num_verify, threshold, self.block_size, sps)
 
     def _warm_up(self, inputs: dict) -> None:

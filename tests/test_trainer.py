@@ -261,8 +261,9 @@ def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
 @pytest.mark.parametrize("draft_vocab_size", [None, 24])
 def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, draft_vocab_size):
     """The training step's target view (distinct positions, chunked; or a cached log-normaliser with the draft
-    vocabulary's LM-head rows only) and its blockwise attention (``BlockLayout``) give the losses and gradients of
-    full-vocabulary target logits per block position under the dense block mask, to float32 tolerance."""
+    vocabulary's LM-head rows only), its blockwise attention (``BlockLayout``) and its compiled loss terms give the
+    losses and gradients of full-vocabulary target logits per block position under the dense block mask, to float32
+    tolerance."""
     from hf_dspark.training.losses import drafter_training_step, log_normalizer_and_argmax
 
     target = tiny_targets["llama"]
@@ -275,14 +276,15 @@ def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, 
     results = {}
     for mode, extra in {"reference": {"reference_target": True, "dense_attention": True}, "fast": {},
                         "cached": {"target_lse": lse.view(last.shape[:2]),
-                                   "target_argmax": argmax.view(last.shape[:2])}}.items():
+                                   "target_argmax": argmax.view(last.shape[:2])},
+                        "compiled": {"compiled": True}}.items():
         drafter.zero_grad()
         out = drafter_training_step(drafter, hidden, last, batch["input_ids"], batch["loss_mask"], num_anchors=8,
                                     generator=torch.Generator().manual_seed(5), **extra)
         out["loss"].backward()
         results[mode] = out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     reference, reference_grads = results["reference"]
-    for mode in ("fast", "cached"):
+    for mode in ("fast", "cached", "compiled"):
         out, grads = results[mode]
         for key in ("loss", "ce", "tv", "confidence", "accuracy"):
             torch.testing.assert_close(out[key], reference[key], atol=1e-5, rtol=1e-5, msg=f"{mode} {key}")

@@ -166,9 +166,10 @@ def run_eval(target, tokenizer, drafter, output_dir: str | Path, settings: EvalS
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
     if ("speed" in phases and settings.scheduler and drafter.confidence_head is not None
             and getattr(drafter.generation_config, "sps_profile", None) is None):
+        from ..generation import sps_width
         from ..profiling import load_or_profile
 
-        load_or_profile(target, drafter.config.block_size + 1)  # profile before the clock runs, not inside a rollout
+        load_or_profile(target, sps_width(drafter))  # profile before the clock runs, not inside a rollout
     todo = _units(settings, sorted(by_set), phases)
     for i, (phase, temperature, prompt_set) in enumerate(todo):
         name = unit_name(phase, temperature, prompt_set)

@@ -174,6 +174,26 @@ def log_normalizer_and_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor
     return torch.cat(lse), torch.cat(top)
 
 
+def vocab_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, draft_labels: torch.Tensor):
+    """The vocabulary-wide part of the losses, per block position: the cross-entropy of ``draft_labels`` under the
+    draft distribution, ``sum |p_d - p_t|`` over the drafter's vocabulary, and the draft's argmax (no gradient)."""
+    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
+    ce = -log_pd.gather(-1, draft_labels.unsqueeze(-1)).squeeze(-1)
+    l1 = (log_pd.exp() - target_probs).abs().sum(dim=-1)
+    return ce, l1, draft_logits.detach().argmax(-1)
+
+
+_COMPILED_VOCAB_TERMS = None
+
+
+def _compiled_vocab_terms():
+    """``vocab_terms`` under ``torch.compile`` (built on first use; the first call of a new shape compiles)."""
+    global _COMPILED_VOCAB_TERMS
+    if _COMPILED_VOCAB_TERMS is None:
+        _COMPILED_VOCAB_TERMS = torch.compile(vocab_terms, dynamic=False)
+    return _COMPILED_VOCAB_TERMS
+
+
 def dspark_losses(
     draft_logits: torch.Tensor,  # [b, A, g, V] base logits + teacher-forced sequential bias
     target_logits: torch.Tensor | TargetView,  # [b, A, g, V] target logits at anchor + k, or their TargetView
@@ -184,6 +204,7 @@ def dspark_losses(
     weights: dict[str, float] | None = None,
     draft_vocab: torch.Tensor | None = None,  # [V_draft] target ids of the draft vocabulary, if any
     confidence_target: str = "sampling",
+    compiled: bool = False,
 ) -> dict[str, torch.Tensor]:
     """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
     head; each averaged with the per-position decay. With a draft vocabulary, p_d is zero outside it: the target's
@@ -196,18 +217,18 @@ def dspark_losses(
     greedy verification, 1 where the draft's argmax is the target's argmax, else 0.
 
     ``target_logits`` may be a ``TargetView`` (what ``drafter_training_step`` passes): the same losses without
-    full-vocabulary tensors per block position."""
+    full-vocabulary tensors per block position. ``compiled`` computes the vocabulary-wide terms (``vocab_terms``)
+    with ``torch.compile``, which fuses their elementwise passes and reductions into a few loops."""
     if confidence_target not in CONFIDENCE_TARGETS:
         raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
     w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
     denom = w.sum().clamp(min=1e-6)
-    log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     target = target_logits if isinstance(target_logits, TargetView) else TargetView.from_logits(target_logits,
                                                                                                  draft_vocab)
-    if target.probs.shape != log_pd.shape:
+    if target.probs.shape != draft_logits.shape:
         raise ValueError(f"target probabilities {tuple(target.probs.shape)} do not match the draft logits "
-                         f"{tuple(log_pd.shape)}: the target view must cover the drafter's output vocabulary")
+                         f"{tuple(draft_logits.shape)}: the target view must cover the drafter's output vocabulary")
     p_t, outside = target.probs, target.outside
     draft_labels, in_vocab = labels, torch.ones_like(valid)
     if draft_vocab is not None:
@@ -217,14 +238,12 @@ def dspark_losses(
         draft_labels = lookup[labels]
         in_vocab = draft_labels >= 0
         draft_labels = draft_labels.clamp(min=0)
-    ce = -log_pd.gather(-1, draft_labels.unsqueeze(-1)).squeeze(-1)
+    ce, l1, predicted = (_compiled_vocab_terms() if compiled else vocab_terms)(draft_logits, p_t, draft_labels)
     ce_w = w * in_vocab.float()
-    p_d = log_pd.exp()
-    l1 = (p_d - p_t).abs().sum(dim=-1) + outside
+    l1 = l1 + outside
     out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
     total = weights["ce"] * out["ce"] + weights["tv"] * out["tv"]
     with torch.no_grad():
-        predicted = draft_logits.argmax(-1)
         if draft_vocab is not None:
             predicted = draft_vocab[predicted]
         out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
@@ -255,7 +274,8 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
                           generator: torch.Generator | None = None,
                           confidence_target: str = "sampling", target_lse: torch.Tensor | None = None,
                           target_argmax: torch.Tensor | None = None,
-                          reference_target: bool = False, dense_attention: bool = False) -> dict[str, torch.Tensor]:
+                          reference_target: bool = False, dense_attention: bool = False,
+                          compiled: bool = False) -> dict[str, torch.Tensor]:
     """Losses for one batch given target features.
 
     Args:
@@ -269,6 +289,7 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
             (the plain construction, for checking the fast one).
         dense_attention: give the drafter the dense ``[q, n + q]`` block mask instead of its ``BlockLayout`` (the
             plain construction again; the losses are the same).
+        compiled: compute the vocabulary-wide loss terms with ``torch.compile`` (``dspark_losses``).
     """
     config = drafter.config
     anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
@@ -300,6 +321,6 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
             target = target_view(rows, lm_head.weight, draft_vocab, lse, top).expand(inverse, (b, num, g))
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
     out = dspark_losses(draft_logits, target, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
-                        draft_vocab=draft_vocab, confidence_target=confidence_target)
+                        draft_vocab=draft_vocab, confidence_target=confidence_target, compiled=compiled)
     out["valid"] = blocks.valid  # [b, A, g] supervised block positions (with ``greedy_matches``: per-block metrics)
     return out

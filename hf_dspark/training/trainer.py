@@ -77,6 +77,8 @@ class TrainingArguments:
     train_modules: list[str] | None = None
     mixed_precision: str = "no"  # "no" | "bf16" | "auto" (bf16 where the device multiplies bf16 fast: bf16_is_fast)
     target_dtype: str = "float32"
+    # compute the vocabulary-wide loss terms with torch.compile (fused loops; the first step compiles)
+    compile_losses: bool = False
     seed: int = 0
     # bookkeeping
     save_every: int = 100
@@ -315,7 +317,9 @@ class DSparkTrainer:
         warmup = max(1, int(args.warmup_ratio * args.max_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(warmup, args.max_steps))
         # The whole loss runs inside one module's forward, so data-parallel wrappers see every parameter used.
-        self.loss_module, self.optimizer = self.accelerator.prepare(_LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights, args.confidence_target), self.optimizer)
+        loss_module = _LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights,
+                                  args.confidence_target, args.compile_losses)
+        self.loss_module, self.optimizer = self.accelerator.prepare(loss_module, self.optimizer)
         self.step, self.epoch, self.position = 0, 0, 0
         # training seconds of earlier sessions of this run (kept in the checkpoint, so a resumed run's logs and card
         # report the whole budget), and when this session's clock started
@@ -673,9 +677,10 @@ class DSparkTrainer:
 
 class _LossModule(torch.nn.Module):
     def __init__(self, drafter: DSparkDrafter, num_anchors: int | None = None, gamma: float = 4.0, weights=None,
-                 confidence_target: str = "sampling"):
+                 confidence_target: str = "sampling", compiled: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.compiled = compiled
         self.num_anchors, self.gamma, self.weights = num_anchors, gamma, weights
         self.confidence_target = confidence_target
 
@@ -683,7 +688,7 @@ class _LossModule(torch.nn.Module):
         return drafter_training_step(self.drafter, features, last_hidden, input_ids, loss_mask,
                                      num_anchors=self.num_anchors, gamma=self.gamma, weights=self.weights,
                                      generator=generator, confidence_target=self.confidence_target,
-                                     target_lse=lse, target_argmax=argmax)
+                                     target_lse=lse, target_argmax=argmax, compiled=self.compiled)
 
 
 # Where a training step's time goes: target features (online forward or cache read), the drafter's forward and

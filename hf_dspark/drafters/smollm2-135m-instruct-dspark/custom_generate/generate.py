@@ -35,9 +35,16 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
-    from .scheduling import LookupSurvival, RealizedGate, VerificationPolicy, policy_from_generation_config
+    from .scheduling import (
+        LOOKUP_MAX_TOKENS,
+        LookupSurvival,
+        RealizedGate,
+        VerificationPolicy,
+        policy_from_generation_config,
+    )
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from scheduling import (  # type: ignore[no-redef]
+        LOOKUP_MAX_TOKENS,
         LookupSurvival,
         RealizedGate,
         VerificationPolicy,
@@ -242,8 +249,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.policy = policy or policy_from_generation_config(
             drafter.generation_config, self.block_size, drafter.confidence_head is not None
         )
+        # The most drafts one round verifies: the block, or a longer prompt-lookup draft under the hybrid policy.
+        self.max_round_drafts = max(self.block_size, getattr(self.policy, "max_lookup_tokens", 0))
         if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
-            self.policy.set_sps(_profile_target(target, self.block_size + 1))
+            self.policy.set_sps(_profile_target(target, self.max_round_drafts + 1))
         if self.policy.uses_realized_gate:
             self.policy.set_realized_gate(realized_gate_for(drafter, target))
         if self.policy.uses_lookup:
@@ -297,9 +306,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     @property
     def num_drafting_tokens(self) -> int:
-        """The most tokens this generator drafts per round: the drafter's block (transformers >= 5.25 asks, to keep
-        that many recurrent states of caches that can roll back)."""
-        return self.block_size
+        """The most tokens this generator drafts per round: the drafter's block, or the hybrid policy's longest lookup
+        draft (transformers >= 5.25 asks, to keep that many recurrent states of caches that can roll back)."""
+        return self.max_round_drafts
 
     def get_candidates(
         self,
@@ -335,14 +344,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
         anchor_position = input_ids.shape[1] - 1
-        max_drafts = min(self.block_size, self.max_length - input_ids.shape[1] - 1)
+        room = self.max_length - input_ids.shape[1] - 1
+        max_drafts = min(self.block_size, room)
         if max_drafts <= 0:
             # Only the target's own next token fits: nothing to draft.
             self._defer_context(target_hidden)
             self._pending_round = _PendingRound()
             return input_ids, None
         if self.policy.uses_lookup:
-            found = prompt_lookup(input_ids[0], self.policy.max_ngram, max_drafts)
+            found = prompt_lookup(input_ids[0], self.policy.max_ngram, min(self.policy.max_lookup_tokens, room))
             confidences = None if found is None else self.policy.lookup.confidences(found[1], found[0].shape[0])
             source, length = self.policy.choose_source(confidences, max_drafts, self._draft_seconds)
             if source == "lookup":
@@ -505,7 +515,7 @@ def realized_gate_for(drafter, target) -> RealizedGate:
 def lookup_survival_for(drafter, target) -> LookupSurvival:
     """The prompt-lookup acceptance estimate that ``generate()`` calls with this drafter and target share."""
     return _shared_per_target(drafter, target, "_dspark_lookup_survival",
-                              lambda: LookupSurvival(drafter.config.block_size))
+                              lambda: LookupSurvival(drafter.config.block_size))  # grows to longer drafts
 
 
 def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tuple[torch.LongTensor, int] | None:
@@ -536,6 +546,13 @@ def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tup
     if n == 0:
         return None
     return ids[begin: begin + max_tokens], n
+
+
+def sps_width(drafter) -> int:
+    """The verification widths (drafts plus the anchor) an SPS profile for ``drafter`` must cover: its block or, for
+    the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), plus one."""
+    lookup = int(getattr(drafter.generation_config, "lookup_max_tokens", None) or LOOKUP_MAX_TOKENS)
+    return max(drafter.config.block_size, lookup) + 1
 
 
 def _profile_target(target, max_batch_tokens: int):

@@ -830,10 +830,18 @@ class LookupSurvival:
     def bucket(cls, match_length: int) -> int:
         return min(max(int(match_length), 1), len(cls.PRIORS)) - 1
 
+    def _cover(self, num_tokens: int) -> None:
+        """Grow the per-position counts to ``num_tokens`` positions (new positions start at the prior)."""
+        extra = num_tokens - self.reached.shape[1]
+        if extra > 0:
+            self.reached = torch.nn.functional.pad(self.reached, (0, extra))
+            self.accepted = torch.nn.functional.pad(self.accepted, (0, extra))
+
     def confidences(self, match_length: int, num_tokens: int) -> torch.Tensor:
         """Conditional acceptance estimates [num_tokens] for a draft found with a ``match_length``-token match."""
         b = self.bucket(match_length)
-        k = min(num_tokens, self.reached.shape[1])
+        self._cover(num_tokens)
+        k = num_tokens
         prior = self.PRIORS[b]
         estimate = (self.accepted[b, :k] + self.pseudo_count * prior) / (self.reached[b, :k] + self.pseudo_count)
         return estimate.float()
@@ -841,10 +849,17 @@ class LookupSurvival:
     def observe(self, match_length: int, verified: int, accepted: int) -> None:
         """One verified lookup round: ``verified`` drafts went to the target, the first ``accepted`` survived."""
         b = self.bucket(match_length)
+        self._cover(verified)
         k = torch.arange(self.reached.shape[1])
         reached = (k < verified) & (k <= accepted)  # draft k+1 was verified with drafts 1..k accepted
         self.reached[b] += reached.double()
         self.accepted[b] += (reached & (k < accepted)).double()
+
+
+# The longest prompt-lookup draft the hybrid policy considers (``generation_config.lookup_max_tokens``): a lookup
+# draft costs nothing to propose, and where verification width is nearly free (a host-bound GPU, AMX bf16) long copies
+# pay; the cost model picks each round's length from the lookup's survival and the SPS profile, which covers it.
+LOOKUP_MAX_TOKENS = 16
 
 
 @register_verification_policy("hybrid")
@@ -866,11 +881,14 @@ class HybridPolicy(PrefixSchedulerPolicy):
 
     uses_lookup = True
 
-    def __init__(self, *args, max_ngram: int = 4, **kwargs):
+    def __init__(self, *args, max_ngram: int = 4, max_lookup_tokens: int = LOOKUP_MAX_TOKENS, **kwargs):
         super().__init__(*args, **kwargs)
         if max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {max_ngram}")
+        if max_lookup_tokens < 1:
+            raise ValueError(f"lookup_max_tokens must be >= 1, got {max_lookup_tokens}")
         self.max_ngram = max_ngram
+        self.max_lookup_tokens = max_lookup_tokens
         self.lookup: LookupSurvival | None = None
 
     @classmethod
@@ -879,6 +897,9 @@ class HybridPolicy(PrefixSchedulerPolicy):
         policy.max_ngram = int(getattr(generation_config, "lookup_max_ngram", None) or 4)
         if policy.max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {policy.max_ngram}")
+        policy.max_lookup_tokens = int(getattr(generation_config, "lookup_max_tokens", None) or LOOKUP_MAX_TOKENS)
+        if policy.max_lookup_tokens < 1:
+            raise ValueError(f"lookup_max_tokens must be >= 1, got {policy.max_lookup_tokens}")
         return policy
 
     def set_lookup_survival(self, survival: LookupSurvival) -> None:
@@ -902,9 +923,10 @@ class HybridPolicy(PrefixSchedulerPolicy):
 
     def choose_source(self, lookup_confidences: torch.Tensor | None, max_drafts: int,
                       draft_seconds: float | None) -> tuple[str, int]:
-        """``("lookup", l)``, ``("block", 0)`` (draft, then schedule the block's length) or ``("none", 0)``."""
-        if lookup_confidences is not None and max_drafts > 0:
-            length, rate = self.lookup_length(lookup_confidences, max_drafts)
+        """``("lookup", l)``, ``("block", 0)`` (draft, then schedule the block's length) or ``("none", 0)``.
+        ``max_drafts`` bounds the block; a lookup draft is as long as its ``lookup_confidences`` at most."""
+        if lookup_confidences is not None and lookup_confidences.shape[0] > 0:
+            length, rate = self.lookup_length(lookup_confidences, lookup_confidences.shape[0])
             if length > 0 and rate > self._plain_rate:
                 block = self.block_rate(max_drafts, draft_seconds)
                 if block is None or rate >= block:
