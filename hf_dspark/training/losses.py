@@ -113,9 +113,10 @@ class TargetView:
     token id. Full-vocabulary target logits are never kept per block position: ``target_view`` builds this from
     distinct positions only."""
 
-    probs: torch.Tensor  # [..., V_out] float32
+    probs: torch.Tensor  # [..., V_out] float32 (with ``rows``: [U, V_out], one row per distinct position)
     outside: torch.Tensor  # [...] float32 (zeros without a draft vocabulary)
     argmax: torch.Tensor  # [...] long, target token ids
+    rows: torch.Tensor | None = None  # [...] long: the row of ``probs`` each position reads, if not expanded
 
     @classmethod
     def from_logits(cls, target_logits: torch.Tensor, draft_vocab: torch.Tensor | None = None) -> "TargetView":
@@ -128,9 +129,17 @@ class TargetView:
         return cls(probs, (1 - probs.sum(dim=-1)).clamp(min=0), argmax)
 
     def expand(self, inverse: torch.Tensor, shape: tuple[int, ...]) -> "TargetView":
-        """Rows ``inverse`` of a view over distinct positions, shaped ``shape`` (the block positions)."""
-        return TargetView(self.probs[inverse].view(*shape, -1), self.outside[inverse].view(shape),
-                          self.argmax[inverse].view(shape))
+        """Rows ``inverse`` of a view over distinct positions, shaped ``shape`` (the block positions). The
+        probabilities stay one row per distinct position, indexed by ``rows``: the losses read them row by row, so
+        the ``[..., V_out]`` copy per block position is never made (under ``torch.compile`` the read fuses into the
+        loss loops)."""
+        return TargetView(self.probs, self.outside[inverse].view(shape), self.argmax[inverse].view(shape),
+                          rows=inverse.view(shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The ``[..., V_out]`` shape of the probabilities per position."""
+        return (*self.outside.shape, self.probs.shape[-1])
 
 
 @torch.no_grad()
@@ -174,9 +183,13 @@ def log_normalizer_and_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor
     return torch.cat(lse), torch.cat(top)
 
 
-def vocab_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, draft_labels: torch.Tensor):
+def vocab_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, draft_labels: torch.Tensor,
+                rows: torch.Tensor | None = None):
     """The vocabulary-wide part of the losses, per block position: the cross-entropy of ``draft_labels`` under the
-    draft distribution, ``sum |p_d - p_t|`` over the drafter's vocabulary, and the draft's argmax (no gradient)."""
+    draft distribution, ``sum |p_d - p_t|`` over the drafter's vocabulary, and the draft's argmax (no gradient).
+    With ``rows``, position ``i`` reads ``target_probs[rows[i]]``."""
+    if rows is not None:
+        target_probs = target_probs[rows]
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     ce = -log_pd.gather(-1, draft_labels.unsqueeze(-1)).squeeze(-1)
     l1 = (log_pd.exp() - target_probs).abs().sum(dim=-1)
@@ -190,7 +203,8 @@ def _compiled_vocab_terms():
     """``vocab_terms`` under ``torch.compile`` (built on first use; the first call of a new shape compiles)."""
     global _COMPILED_VOCAB_TERMS
     if _COMPILED_VOCAB_TERMS is None:
-        _COMPILED_VOCAB_TERMS = torch.compile(vocab_terms, dynamic=False)
+        # Shapes vary between batches (distinct positions, the last batch): compile dynamic after the first change.
+        _COMPILED_VOCAB_TERMS = torch.compile(vocab_terms)
     return _COMPILED_VOCAB_TERMS
 
 
@@ -226,10 +240,10 @@ def dspark_losses(
     denom = w.sum().clamp(min=1e-6)
     target = target_logits if isinstance(target_logits, TargetView) else TargetView.from_logits(target_logits,
                                                                                                  draft_vocab)
-    if target.probs.shape != draft_logits.shape:
-        raise ValueError(f"target probabilities {tuple(target.probs.shape)} do not match the draft logits "
+    if target.shape != draft_logits.shape:
+        raise ValueError(f"target probabilities {tuple(target.shape)} do not match the draft logits "
                          f"{tuple(draft_logits.shape)}: the target view must cover the drafter's output vocabulary")
-    p_t, outside = target.probs, target.outside
+    outside = target.outside
     draft_labels, in_vocab = labels, torch.ones_like(valid)
     if draft_vocab is not None:
         vocab_size = max(int(draft_vocab.max()), int(labels.max())) + 1
@@ -238,7 +252,8 @@ def dspark_losses(
         draft_labels = lookup[labels]
         in_vocab = draft_labels >= 0
         draft_labels = draft_labels.clamp(min=0)
-    ce, l1, predicted = (_compiled_vocab_terms() if compiled else vocab_terms)(draft_logits, p_t, draft_labels)
+    terms = _compiled_vocab_terms() if compiled else vocab_terms
+    ce, l1, predicted = terms(draft_logits, target.probs, draft_labels, target.rows)
     ce_w = w * in_vocab.float()
     l1 = l1 + outside
     out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
