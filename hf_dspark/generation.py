@@ -551,8 +551,8 @@ def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tup
 def sps_width(drafter) -> int:
     """The verification widths (drafts plus the anchor) an SPS profile for ``drafter`` must cover: its block or, for
     the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), plus one."""
-    lookup = int(getattr(drafter.generation_config, "lookup_max_tokens", None) or LOOKUP_MAX_TOKENS)
-    return max(drafter.config.block_size, lookup) + 1
+    lookup = getattr(drafter.generation_config, "lookup_max_tokens", None)
+    return max(drafter.config.block_size, LOOKUP_MAX_TOKENS if lookup is None else int(lookup)) + 1
 
 
 def _profile_target(target, max_batch_tokens: int):

@@ -73,6 +73,30 @@ def test_hybrid_greedy_equality(tiny_targets, trained_drafters, family, profile)
         del drafter.generation_config.sps_profile
 
 
+def test_lookup_drafts_may_be_longer_than_the_block(tiny_targets, trained_drafters, family):
+    """``lookup_max_tokens`` bounds the lookup's drafts, not the block: where verification width is nearly free the
+    hybrid verifies copies longer than the block, and the output still equals plain greedy decoding."""
+    target, drafter = tiny_targets[family], trained_drafters[family]
+    block = drafter.config.block_size
+    wide = {"sample_batch_tokens": [1, 2 * block + 1], "sample_steps_per_sec": [100.0, 99.0]}
+    set_policy(drafter, "hybrid", sps_profile=wide, lookup_max_tokens=block + 4)
+    drafter.__dict__.pop("_dspark_lookup_survival", None)
+    try:
+        longest = 0
+        for prompt in random_prompts(40, 8, target.config.vocab_size, seed=4)[:3]:
+            assert_same_greedy(target, drafter, torch.cat([prompt, prompt], dim=1), max_new_tokens=30)
+            stats = drafter.last_stats
+            longest = max([longest] + [v for v, source in zip(stats.verified, stats.sources) if source == "lookup"])
+        assert block < longest <= block + 4
+        drafter.generation_config.lookup_max_tokens = 0
+        with pytest.raises(ValueError, match="lookup_max_tokens"):
+            target.generate(prompt, do_sample=False, max_new_tokens=4, assistant_model=drafter)
+    finally:
+        set_policy(drafter, "fixed")
+        del drafter.generation_config.sps_profile
+        del drafter.generation_config.lookup_max_tokens
+
+
 def test_rounds_without_a_block_defer_the_drafter_context(tiny_targets, trained_drafters, family, monkeypatch):
     """Lookup and plain rounds run no drafter forward at all: their target features reach the drafter's context in
     the next block draft's own forward (draft() rejects a context with a gap, so the block rounds prove it whole)."""

@@ -894,10 +894,13 @@ class HybridPolicy(PrefixSchedulerPolicy):
     @classmethod
     def from_generation_config(cls, generation_config, block_size):
         policy = super().from_generation_config(generation_config, block_size)
-        policy.max_ngram = int(getattr(generation_config, "lookup_max_ngram", None) or 4)
+        # Unset (None) takes the default; any value given, 0 included, is checked.
+        ngram = getattr(generation_config, "lookup_max_ngram", None)
+        policy.max_ngram = 4 if ngram is None else int(ngram)
         if policy.max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {policy.max_ngram}")
-        policy.max_lookup_tokens = int(getattr(generation_config, "lookup_max_tokens", None) or LOOKUP_MAX_TOKENS)
+        tokens = getattr(generation_config, "lookup_max_tokens", None)
+        policy.max_lookup_tokens = LOOKUP_MAX_TOKENS if tokens is None else int(tokens)
         if policy.max_lookup_tokens < 1:
             raise ValueError(f"lookup_max_tokens must be >= 1, got {policy.max_lookup_tokens}")
         return policy
