@@ -321,9 +321,8 @@ class DemoRunner:
             raise ValueError(f"the {name} policy needs a drafter with a confidence head; use fixed")
         sps = None
         if name in ("scheduler", "hybrid"):
-            from .profiling import load_or_profile  # measured once per device/dtype/threads, then cached
-
             from .generation import sps_width
+            from .profiling import load_or_profile  # measured once per device/dtype/threads, then cached
 
             sps = load_or_profile(self.target, sps_width(self.drafter), time_budget_s=self.sps_time_budget_s)
         return make_policy(name, num_verify, threshold, self.block_size, sps)

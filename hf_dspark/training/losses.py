@@ -7,6 +7,7 @@ Shapes: ``b`` sequences of length ``n``; ``A`` anchors per sequence; block size 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -196,16 +197,11 @@ def vocab_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, draft_la
     return ce, l1, draft_logits.detach().argmax(-1)
 
 
-_COMPILED_VOCAB_TERMS = None
-
-
+@functools.cache
 def _compiled_vocab_terms():
-    """``vocab_terms`` under ``torch.compile`` (built on first use; the first call of a new shape compiles)."""
-    global _COMPILED_VOCAB_TERMS
-    if _COMPILED_VOCAB_TERMS is None:
-        # Shapes vary between batches (distinct positions, the last batch): compile dynamic after the first change.
-        _COMPILED_VOCAB_TERMS = torch.compile(vocab_terms)
-    return _COMPILED_VOCAB_TERMS
+    """``vocab_terms`` under ``torch.compile`` (built on first use; the first call of a new shape compiles). Shapes
+    vary between batches (distinct positions, the last batch), so it turns dynamic after the first change."""
+    return torch.compile(vocab_terms)
 
 
 def dspark_losses(

@@ -36,18 +36,18 @@ from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
     from .scheduling import (
-        LOOKUP_MAX_TOKENS,
         LookupSurvival,
         RealizedGate,
         VerificationPolicy,
+        lookup_max_tokens,
         policy_from_generation_config,
     )
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from scheduling import (  # type: ignore[no-redef]
-        LOOKUP_MAX_TOKENS,
         LookupSurvival,
         RealizedGate,
         VerificationPolicy,
+        lookup_max_tokens,
         policy_from_generation_config,
     )
 
@@ -551,8 +551,7 @@ def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tup
 def sps_width(drafter) -> int:
     """The verification widths (drafts plus the anchor) an SPS profile for ``drafter`` must cover: its block or, for
     the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), plus one."""
-    lookup = getattr(drafter.generation_config, "lookup_max_tokens", None)
-    return max(drafter.config.block_size, LOOKUP_MAX_TOKENS if lookup is None else int(lookup)) + 1
+    return max(drafter.config.block_size, lookup_max_tokens(drafter.generation_config)) + 1
 
 
 def _profile_target(target, max_batch_tokens: int):

@@ -862,6 +862,13 @@ class LookupSurvival:
 LOOKUP_MAX_TOKENS = 16
 
 
+def lookup_max_tokens(generation_config: Any) -> int:
+    """``generation_config.lookup_max_tokens``, ``LOOKUP_MAX_TOKENS`` when unset (a value given, 0 included, is
+    kept for the policy to check)."""
+    value = getattr(generation_config, "lookup_max_tokens", None)
+    return LOOKUP_MAX_TOKENS if value is None else int(value)
+
+
 @register_verification_policy("hybrid")
 class HybridPolicy(PrefixSchedulerPolicy):
     """Two draft sources under one cost model: the drafter's block and a prompt lookup (the continuation of the
@@ -899,8 +906,7 @@ class HybridPolicy(PrefixSchedulerPolicy):
         policy.max_ngram = 4 if ngram is None else int(ngram)
         if policy.max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {policy.max_ngram}")
-        tokens = getattr(generation_config, "lookup_max_tokens", None)
-        policy.max_lookup_tokens = LOOKUP_MAX_TOKENS if tokens is None else int(tokens)
+        policy.max_lookup_tokens = lookup_max_tokens(generation_config)
         if policy.max_lookup_tokens < 1:
             raise ValueError(f"lookup_max_tokens must be >= 1, got {policy.max_lookup_tokens}")
         return policy
@@ -964,6 +970,8 @@ __all__ = [
     "ConfidenceThresholdPolicy",
     "HybridPolicy",
     "LookupSurvival",
+    "LOOKUP_MAX_TOKENS",
+    "lookup_max_tokens",
     "DRAFTING_MARGIN",
     "EXPLORE_BUDGET",
     "MATCHED_PLAIN_ROUNDS",
