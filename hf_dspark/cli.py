@@ -227,7 +227,7 @@ def cmd_train(args) -> int:
         confidence_target=args.confidence_target, train_modules=args.train_modules, max_steps=args.max_steps,
         learning_rate=args.lr, warmup_ratio=args.warmup_ratio, batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, max_length=args.max_length, num_anchors=args.num_anchors,
-        mixed_precision=args.mixed_precision, compile_losses=args.compile_losses, seed=args.seed,
+        mixed_precision=args.mixed_precision, torch_compile=args.torch_compile, seed=args.seed,
         save_every=args.save_every,
         log_every=args.log_every, threads=args.threads, eval_data_dirs=args.eval_data, eval_every=args.eval_every,
         eval_sequences=args.eval_sequences,
@@ -662,8 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="auto",
                        help="bf16 autocast; auto: where the device multiplies bf16 natively (CUDA, AVX512-BF16 or "
                             "AMX CPUs), else float32")
-    train.add_argument("--compile-losses", action="store_true",
-                       help="compute the vocabulary-wide loss terms with torch.compile (the first step compiles)")
+    train.add_argument("--torch-compile", action="store_true",
+                       help="compile the drafter's decoder layers and the vocabulary-wide loss terms with "
+                            "torch.compile (the first steps compile: pays on runs of more than a few dozen steps)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--save-every", type=int, default=100)
     train.add_argument("--log-every", type=int, default=10)

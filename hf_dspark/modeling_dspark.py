@@ -567,9 +567,12 @@ class DSparkDrafter(DSparkPreTrainedModel):
     # ----------------------------------------------------------------------------------------------------------
     def sequential_logits(self, base_logits: torch.Tensor, hidden: torch.Tensor, prev_ids: torch.Tensor):
         """Teacher forcing: ``U_k + B_k`` with KNOWN previous tokens ``prev_ids`` [..., g] (training, parity)."""
-        if self.markov_head is None:
-            return base_logits
-        return base_logits + self.markov_head.teacher_forced(prev_ids, hidden).to(base_logits.dtype)
+        bias = self.sequential_bias(hidden, prev_ids)
+        return base_logits if bias is None else base_logits + bias.to(base_logits.dtype)
+
+    def sequential_bias(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """Teacher forcing: the sequential head's bias ``B_k`` [..., g, V_out] (None without a head)."""
+        return None if self.markov_head is None else self.markov_head.teacher_forced(prev_ids, hidden)
 
     def confidence_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
         """Uncalibrated confidence logits [..., g] for block hidden states and their previous tokens."""

@@ -4,6 +4,7 @@ for another git revision run the same way on the same data, alternating runs (A 
 machine hits both alike.
 
     python scripts/bench_training.py --data DIR --features DIR [--base REV] [--steps 12] [--repeats 2]
+        [--base-args "..."] [-- further train arguments]
 
 Each run trains --steps steps from the same start; the time per step is read from the run's own train_log.jsonl
 (`elapsed_s`, the trainer's clock, which leaves out loading) between the first and the last log line, so the first
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -29,13 +31,13 @@ sys.path.insert(0, str(ROOT))
 from hf_dspark.training.trainer import seconds_per_step  # noqa: E402
 
 
-def run_once(source: Path, args, output: Path) -> dict:
+def run_once(source: Path, args, output: Path, extra: list[str]) -> dict:
     command = [sys.executable, "-c", "import sys; from hf_dspark.cli import main; sys.exit(main())", "train",
                "--data", *args.data, "--features", args.features, "--init-drafter", args.drafter,
                "--output", str(output), "--max-length", "512", "--batch-size", str(args.batch_size),
                "--num-anchors", str(args.num_anchors), "--max-steps", str(args.steps), "--lr", "5e-4",
                "--save-every", "100000", "--log-every", "2", "--threads", str(args.threads),
-               "--confidence-target", "greedy", *args.extra]
+               "--confidence-target", "greedy", *extra]
     env = {**os.environ, "PYTHONPATH": str(source), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(command, cwd=source, env=env, capture_output=True, text=True)
     if done.returncode:
@@ -60,6 +62,9 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--num-anchors", type=int, default=64)
     parser.add_argument("--json", default=None, help="write the runs and the ratio here")
+    parser.add_argument("--base-args", default=None,
+                        help="the base revision's further train arguments, as one string (default: the same as "
+                             "this checkout's, e.g. --base-args='' when the base lacks a flag)")
     parser.add_argument("extra", nargs="*", help="further `hf-dspark train` arguments (after --)")
     args = parser.parse_args()
     args.data = [str(Path(d).resolve()) for d in args.data]
@@ -73,9 +78,12 @@ def main() -> int:
                            check=True, capture_output=True)
             sources = {f"base {args.base}": base, **sources}
         runs: dict[str, list[dict]] = {name: [] for name in sources}
+        extras = {name: args.extra for name in sources}
+        if args.base and args.base_args is not None:
+            extras[f"base {args.base}"] = shlex.split(args.base_args)
         for repeat in range(args.repeats):
             for name, source in sources.items():
-                result = run_once(source, args, work / f"run-{len(runs[name])}-{name.split()[0]}")
+                result = run_once(source, args, work / f"run-{len(runs[name])}-{name.split()[0]}", extras[name])
                 runs[name].append(result)
                 split = " ".join(f"{k} {100 * v:.0f}%" for k, v in result["split"].items())
                 print(f"{name:>20s} run {repeat}: {result['s_per_step']:.2f} s/step, "

@@ -5,6 +5,7 @@
 # step is resumable: re-run the script (same ROUND) after an interruption.
 #   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns; the shipped drafters).
 #   ROUND=v4: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md).
+# TRAIN_ARGS adds `hf-dspark train` arguments to both runs (e.g. "--torch-compile --confidence-target greedy").
 # MP=bf16 trains under bfloat16 autocast (accelerate mixed precision). TARGET_DTYPE=bfloat16 computes the target
 # features in bfloat16 (1.6x faster on a CPU with bfloat16 arithmetic; 0.6% relative difference from float32 in the
 # tapped hidden states, 1.8% in the last one); the default is float32.
@@ -32,6 +33,8 @@ STEPS=${STEPS:-1500}   # STEPS=600 EVAL_EVERY=200: ~20 min of features on a fres
 COMMON=(--data "${DATA[@]}" --features "$FEATURES" --max-length 512 --batch-size 4 --num-anchors 64
         --max-steps "$STEPS" --lr 5e-4 --save-every 50 --threads 1 --mixed-precision "${MP:-no}"
         --eval-data data/regen-smollm2-heldout --eval-every "${EVAL_EVERY:-250}" --eval-sequences 64)
+read -r -a TRAIN_ARGS <<< "${TRAIN_ARGS:-}"
+COMMON+=("${TRAIN_ARGS[@]}")
 
 # 1. target features of every finished shard of both folders (one features folder: files are named by digest)
 for ((w = 0; w < WORKERS; w++)); do

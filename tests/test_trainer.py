@@ -1,6 +1,7 @@
 """Trainer: learns, checkpoints, and resumes exactly after an interruption."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -261,9 +262,9 @@ def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
 @pytest.mark.parametrize("draft_vocab_size", [None, 24])
 def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, draft_vocab_size):
     """The training step's target view (distinct positions, chunked; or a cached log-normaliser with the draft
-    vocabulary's LM-head rows only), its blockwise attention (``BlockLayout``) and its compiled loss terms give the
-    losses and gradients of full-vocabulary target logits per block position under the dense block mask, to float32
-    tolerance."""
+    vocabulary's LM-head rows only), its blockwise attention (``BlockLayout``) and its compiled form (decoder layers,
+    loss terms, target normalisation) give the losses and gradients of full-vocabulary target logits per block
+    position under the dense block mask, to float32 tolerance."""
     from hf_dspark.training.losses import drafter_training_step, log_normalizer_and_argmax
 
     target = tiny_targets["llama"]
@@ -274,10 +275,12 @@ def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, 
     hidden, last = trainer._online_features(batch)
     lse, argmax = log_normalizer_and_argmax(last.flatten(0, 1), target.get_output_embeddings().weight)
     results = {}
+    cached = {"target_lse": lse.view(last.shape[:2]), "target_argmax": argmax.view(last.shape[:2])}
     for mode, extra in {"reference": {"reference_target": True, "dense_attention": True}, "fast": {},
-                        "cached": {"target_lse": lse.view(last.shape[:2]),
-                                   "target_argmax": argmax.view(last.shape[:2])},
-                        "compiled": {"compiled": True}}.items():
+                        "cached": cached, "compiled": {"compiled": True, **cached}}.items():
+        if mode == "compiled":
+            for layer in drafter.layers:  # as the trainer's torch_compile does
+                layer.compile()
         drafter.zero_grad()
         out = drafter_training_step(drafter, hidden, last, batch["input_ids"], batch["loss_mask"], num_anchors=8,
                                     generator=torch.Generator().manual_seed(5), **extra)
@@ -291,6 +294,27 @@ def test_fast_target_path_computes_the_reference_losses(tiny_targets, tmp_path, 
         assert torch.equal(out["greedy_matches"], reference["greedy_matches"])
         for name, grad in reference_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=f"{mode} {name}")
+
+
+def test_torch_compile_compiles_the_decoder_layers_and_uses_fused_adamw(tiny_targets, tmp_path):
+    target = tiny_targets["llama"]
+    write_regenerated(tmp_path / "data", target, n=4)
+    plain = DSparkTrainer(make_args(tmp_path, "plain"), target=target)
+    assert all(layer._compiled_call_impl is None for layer in plain.drafter.layers)
+    assert not plain.loss_module.compiled
+    compiled = DSparkTrainer(make_args(tmp_path, "compiled", torch_compile=True), target=target)
+    assert all(layer._compiled_call_impl is not None for layer in compiled.drafter.layers)
+    assert compiled.loss_module.compiled
+    for trainer in (plain, compiled):
+        assert trainer.optimizer.optimizer.defaults["fused"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keep_freed_memory_applies_on_glibc():
+    from hf_dspark.training.trainer import keep_freed_memory
+
+    assert keep_freed_memory()
+    assert torch.ones(16 << 20).sum() == 16 << 20  # a 64 MB tensor still allocates and frees
 
 
 def test_features_cache_stores_the_log_normalizer_and_training_uses_it(tiny_targets, tmp_path, monkeypatch):

@@ -146,18 +146,19 @@ class TargetView:
 @torch.no_grad()
 def target_view(rows: torch.Tensor, lm_head_weight: torch.Tensor, draft_vocab: torch.Tensor | None = None,
                 lse: torch.Tensor | None = None, argmax: torch.Tensor | None = None,
-                chunk_rows: int = 256) -> TargetView:
+                chunk_rows: int = 256, compiled: bool = False) -> TargetView:
     """The target's view at hidden-state ``rows`` [U, D] (final, post-norm): ``softmax(rows @ W^T)`` restricted
     to ``draft_vocab``, its outside mass and argmax, without materialising more than ``chunk_rows`` full-vocabulary
     logit rows at a time. With the full-vocabulary log-normaliser ``lse`` [U] and ``argmax`` [U] given (cached
     with the features), only the draft vocabulary's rows of the LM head are multiplied: a sixth of the work for an
-    8192-token draft vocabulary of a 49152-token target."""
+    8192-token draft vocabulary of a 49152-token target. ``compiled`` normalises those logits in one fused loop
+    (``torch.compile``)."""
     weight = lm_head_weight.detach()
     rows = rows.to(weight.dtype)
     if lse is not None and argmax is not None and draft_vocab is not None:
-        logits = F.linear(rows, weight.index_select(0, draft_vocab)).float()
-        probs = torch.exp(logits - lse.float().unsqueeze(-1))
-        return TargetView(probs, (1 - probs.sum(dim=-1)).clamp(min=0), argmax.long())
+        logits = F.linear(rows, weight.index_select(0, draft_vocab))
+        probs, outside = (_compiled_normalised_probs() if compiled else normalised_probs)(logits, lse)
+        return TargetView(probs, outside, argmax.long())
     parts = []
     for start in range(0, rows.shape[0], chunk_rows):
         parts.append(TargetView.from_logits(F.linear(rows[start : start + chunk_rows], weight), draft_vocab))
@@ -184,28 +185,38 @@ def log_normalizer_and_argmax(hidden: torch.Tensor, lm_head_weight: torch.Tensor
     return torch.cat(lse), torch.cat(top)
 
 
+def normalised_probs(logits: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(logits - lse)`` in float32 for logits over part of a vocabulary whose full log-normaliser is ``lse``,
+    and the probability mass outside that part (``1 - sum``, clamped at 0)."""
+    probs = torch.exp(logits.float() - lse.float().unsqueeze(-1))
+    return probs, (1 - probs.sum(dim=-1)).clamp(min=0)
+
+
 def vocab_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, draft_labels: torch.Tensor,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, bias: torch.Tensor | None = None):
     """The vocabulary-wide part of the losses, per block position: the cross-entropy of ``draft_labels`` under the
     draft distribution, ``sum |p_d - p_t|`` over the drafter's vocabulary, and the draft's argmax (no gradient).
-    With ``rows``, position ``i`` reads ``target_probs[rows[i]]``."""
+    With ``rows``, position ``i`` reads ``target_probs[rows[i]]``; with ``bias`` (the sequential head's), the draft
+    logits are ``draft_logits + bias``."""
     if rows is not None:
         target_probs = target_probs[rows]
+    if bias is not None:
+        draft_logits = draft_logits + bias.to(draft_logits.dtype)
     log_pd = F.log_softmax(draft_logits.float(), dim=-1)
     ce = -log_pd.gather(-1, draft_labels.unsqueeze(-1)).squeeze(-1)
     l1 = (log_pd.exp() - target_probs).abs().sum(dim=-1)
     return ce, l1, draft_logits.detach().argmax(-1)
 
 
-@functools.cache
-def _compiled_vocab_terms():
-    """``vocab_terms`` under ``torch.compile`` (built on first use; the first call of a new shape compiles). Shapes
-    vary between batches (distinct positions, the last batch), so it turns dynamic after the first change."""
-    return torch.compile(vocab_terms)
+# ``vocab_terms`` and ``normalised_probs`` under ``torch.compile``, built on first use (the first call of a new
+# shape compiles). Shapes vary between batches (distinct positions, the last batch), so they turn dynamic after the
+# first change.
+_compiled_vocab_terms = functools.cache(lambda: torch.compile(vocab_terms))
+_compiled_normalised_probs = functools.cache(lambda: torch.compile(normalised_probs))
 
 
 def dspark_losses(
-    draft_logits: torch.Tensor,  # [b, A, g, V] base logits + teacher-forced sequential bias
+    draft_logits: torch.Tensor,  # [b, A, g, V] base logits (+ teacher-forced sequential bias, or see below)
     target_logits: torch.Tensor | TargetView,  # [b, A, g, V] target logits at anchor + k, or their TargetView
     labels: torch.Tensor,  # [b, A, g]
     valid: torch.Tensor,  # [b, A, g]
@@ -215,6 +226,7 @@ def dspark_losses(
     draft_vocab: torch.Tensor | None = None,  # [V_draft] target ids of the draft vocabulary, if any
     confidence_target: str = "sampling",
     compiled: bool = False,
+    sequential_bias: torch.Tensor | None = None,  # [b, A, g, V] the sequential head's bias, if not in draft_logits
 ) -> dict[str, torch.Tensor]:
     """CE to the target's token, L1 between draft and target distributions (= 2 TV), and BCE of the confidence
     head; each averaged with the per-position decay. With a draft vocabulary, p_d is zero outside it: the target's
@@ -228,7 +240,8 @@ def dspark_losses(
 
     ``target_logits`` may be a ``TargetView`` (what ``drafter_training_step`` passes): the same losses without
     full-vocabulary tensors per block position. ``compiled`` computes the vocabulary-wide terms (``vocab_terms``)
-    with ``torch.compile``, which fuses their elementwise passes and reductions into a few loops."""
+    with ``torch.compile``, which fuses their elementwise passes and reductions into a few loops; given apart as
+    ``sequential_bias``, the head's bias is added inside those loops instead of in a pass of its own."""
     if confidence_target not in CONFIDENCE_TARGETS:
         raise ValueError(f"confidence_target must be one of {CONFIDENCE_TARGETS}, got {confidence_target!r}")
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
@@ -249,7 +262,7 @@ def dspark_losses(
         in_vocab = draft_labels >= 0
         draft_labels = draft_labels.clamp(min=0)
     terms = _compiled_vocab_terms() if compiled else vocab_terms
-    ce, l1, predicted = terms(draft_logits, target.probs, draft_labels, target.rows)
+    ce, l1, predicted = terms(draft_logits, target.probs, draft_labels, target.rows, sequential_bias)
     ce_w = w * in_vocab.float()
     l1 = l1 + outside
     out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
@@ -317,7 +330,7 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
     num, g = blocks.labels.shape[1:]
     hidden = out.hidden_states.view(b, num, g, -1)
     base = out.logits.view(b, num, g, -1)
-    draft_logits = drafter.sequential_logits(base, hidden, blocks.prev_ids)
+    bias = drafter.sequential_bias(hidden, blocks.prev_ids)
     lm_head = drafter.lm_head
     draft_vocab = drafter.draft_vocab
     with torch.no_grad():  # the target once per distinct supervised position
@@ -329,9 +342,11 @@ def drafter_training_step(drafter, target_hidden, target_last_hidden, input_ids,
         else:
             lse = None if target_lse is None else target_lse.reshape(-1).index_select(0, unique)
             top = None if target_argmax is None else target_argmax.reshape(-1).index_select(0, unique)
-            target = target_view(rows, lm_head.weight, draft_vocab, lse, top).expand(inverse, (b, num, g))
+            target = target_view(rows, lm_head.weight, draft_vocab, lse, top,
+                                 compiled=compiled).expand(inverse, (b, num, g))
     confidence_logits = drafter.confidence_logits(hidden, blocks.prev_ids)
-    out = dspark_losses(draft_logits, target, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
-                        draft_vocab=draft_vocab, confidence_target=confidence_target, compiled=compiled)
+    out = dspark_losses(base, target, blocks.labels, blocks.valid, confidence_logits, gamma, weights,
+                        draft_vocab=draft_vocab, confidence_target=confidence_target, compiled=compiled,
+                        sequential_bias=bias)
     out["valid"] = blocks.valid  # [b, A, g] supervised block positions (with ``greedy_matches``: per-block metrics)
     return out
