@@ -455,8 +455,24 @@ def cmd_eval(args) -> int:
     import hf_dspark  # noqa: F401
 
     from .defaults import embedded_drafter_path, load_drafter_for
-    from .evaluation.report import DEFAULT_THRESHOLDS, EvalSettings, run_eval
+    from .evaluation.report import DEFAULT_THRESHOLDS, EvalSettings, included_markdown, run_eval, write_report
 
+    if args.benchmarks_include and not args.benchmarks:
+        raise SystemExit("--benchmarks-include needs --benchmarks (the page the reports are appended to)")
+    for path in args.benchmarks_include:  # refused now, not after the evaluation has run
+        if not Path(path).is_file():
+            raise SystemExit(f"--benchmarks-include: no such file {path}")
+        included_markdown(path)
+    if args.render_only:
+        report_path = Path(args.output) / "report.json"
+        if not report_path.is_file():
+            raise SystemExit(f"--render-only: no {report_path} (run the evaluation first)")
+        write_report(json.loads(report_path.read_text()), Path(args.output), args.benchmarks,
+                     args.benchmarks_include, render_only=True)
+        print(f"rewrote {args.output}/report.md" + (f" and {args.benchmarks}" if args.benchmarks else ""))
+        return 0
+    if not args.data:
+        raise SystemExit("hf-dspark eval needs --data (unless --render-only)")
     settings = EvalSettings(
         data=args.data, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
         temperatures=args.temperatures, speed_prompts=args.speed_prompts,
@@ -479,7 +495,8 @@ def cmd_eval(args) -> int:
                    "ablation": ablation_origin, "dtype": args.dtype}
     report = run_eval(target, tokenizer, drafter, args.output, settings, ablation=ablation,
                       num_shards=args.num_shards, shard_index=args.shard_index, description=description,
-                      benchmarks_path=args.benchmarks, phases=args.phases, concurrency=args.concurrency)
+                      benchmarks_path=args.benchmarks, phases=args.phases, concurrency=args.concurrency,
+                      benchmarks_include=args.benchmarks_include)
     for t, entry in report["temperatures"].items():
         acc = entry.get("acceptance")
         if acc:
@@ -743,7 +760,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="evaluation report: tau, position-wise acceptance, threshold sweep, "
                                      "calibration, speed vs plain (report.json/.md + plots, resumable)")
-    ev.add_argument("--data", nargs="+", required=True, help="prompt .jsonl files or folders (e.g. ../shared/data/eval)")
+    ev.add_argument("--data", nargs="+", default=None,
+                    help="prompt .jsonl files or folders (e.g. ../shared/data/eval); required unless --render-only")
     ev.add_argument("--output", required=True, help="report folder (re-run the same command to resume)")
     ev.add_argument("--target", default=None, help="target model path (default: SmolLM2-135M-Instruct)")
     ev.add_argument("--drafter", default=None, help="DSpark drafter folder (default: the embedded drafter)")
@@ -771,6 +789,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--phases", nargs="+", choices=["quality", "speed"], default=["quality", "speed"],
                     help="quality: acceptance analyses (whole-block rounds); speed: timed comparison (run it quiet)")
     ev.add_argument("--benchmarks", default=None, help="also write the Markdown report here (e.g. BENCHMARKS.md)")
+    ev.add_argument("--benchmarks-include", nargs="+", default=[], metavar="MARKDOWN",
+                    help="generated reports (e.g. `hf-dspark bench --markdown`) appended to --benchmarks as sections")
+    ev.add_argument("--render-only", action="store_true",
+                    help="run nothing: rewrite report.md and --benchmarks from OUTPUT/report.json (plots as they are)")
     ev.set_defaults(func=cmd_eval)
 
     push = sub.add_parser("push", help="push a drafter folder to the Hugging Face Hub with its model card")
