@@ -17,17 +17,15 @@ import ctypes
 import math
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ..allocator import M_MMAP_THRESHOLD, M_TOP_PAD, M_TRIM_THRESHOLD, glibc
 from .batching import SCHEDULED_METHODS, SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
 
 
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 # Heap the benches pre-touch (``fix_allocator(pretouch=)``): room for three engines' caches at 64 requests
 BENCH_PRETOUCH_MIB = 3072
 
@@ -56,17 +54,13 @@ def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = N
     if pretouch < 0 or (trim_threshold is not None and pretouch + top_pad >= trim_threshold):
         raise ValueError(f"pretouch must be >= 0 and, with the top pad ({top_pad} bytes), below the trim threshold "
                          f"({trim_threshold} bytes), got {pretouch}")
-    if not sys.platform.startswith("linux"):
+    libc = glibc()
+    if libc is None:
         return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    for name, param, value in (("mmap threshold", _M_MMAP_THRESHOLD, mmap_threshold),
-                               ("trim threshold", _M_TRIM_THRESHOLD, -1 if trim_threshold is None else trim_threshold),
-                               ("top pad", _M_TOP_PAD, top_pad)):
-        if mallopt(param, value) != 1:
+    for name, param, value in (("mmap threshold", M_MMAP_THRESHOLD, mmap_threshold),
+                               ("trim threshold", M_TRIM_THRESHOLD, -1 if trim_threshold is None else trim_threshold),
+                               ("top pad", M_TOP_PAD, top_pad)):
+        if libc.mallopt(param, value) != 1:
             raise RuntimeError(f"glibc refused malloc {name} {value}")
     trim = "never trims" if trim_threshold is None else f"trim threshold {trim_threshold >> 20} MiB"
     done = f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, {trim}, top pad {top_pad >> 20} MiB"

@@ -123,18 +123,10 @@ def keep_freed_memory() -> bool:
     tcmalloc do for PyTorch on a CPU. A training step allocates activation buffers of tens of MB; by default glibc
     maps each one afresh and unmaps it when freed, so every step pays page faults and zeroing for all of them.
     Process-wide; the heap then stays at its peak size. Returns whether it applied (False off glibc)."""
-    import ctypes
-    import sys
+    from ..allocator import M_MMAP_MAX, M_TRIM_THRESHOLD, glibc
 
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    libc = glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def resolve_mixed_precision(choice: str, device: torch.device | str) -> str:
