@@ -43,6 +43,12 @@ for ((w = 0; w < WORKERS; w++)); do
 done
 wait
 # 2. both drafters continue from the shipped ones, same data / steps / schedule
-$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dspark --output "runs/smollm2-dspark-$ROUND" &
-$HF train "${COMMON[@]}" --init-drafter hf_dspark/drafters/smollm2-135m-instruct-dflash --output "runs/smollm2-dflash-$ROUND" &
+# (FROM=v5: continue from runs/smollm2-*-v5/drafter, a finished earlier round, instead)
+if [ -n "${FROM:-}" ]; then
+    INIT_DSPARK=runs/smollm2-dspark-$FROM/drafter INIT_DFLASH=runs/smollm2-dflash-$FROM/drafter
+else
+    INIT_DSPARK=hf_dspark/drafters/smollm2-135m-instruct-dspark INIT_DFLASH=hf_dspark/drafters/smollm2-135m-instruct-dflash
+fi
+$HF train "${COMMON[@]}" --init-drafter "$INIT_DSPARK" --output "runs/smollm2-dspark-$ROUND" &
+$HF train "${COMMON[@]}" --init-drafter "$INIT_DFLASH" --output "runs/smollm2-dflash-$ROUND" &
 wait
