@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
 # docs/layout.md, "Direction of dependencies": model <- generation <- engine <- jobs <- cli (prefixes of module names).
 LAYERS = {
     "model": ["configuration_dspark", "modeling_dspark", "scheduling", "attention", "kernels"],
-    "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts"],
+    "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator"],
     "engine": ["engine"],
     "jobs": ["training", "calibration", "evaluation", "hub", "export", "demo"],
     "cli": ["cli"],
