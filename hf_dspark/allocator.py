@@ -19,3 +19,12 @@ def glibc() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def keep_freed_memory() -> bool:
+    """Serve large allocations from the heap and keep freed memory for reuse: what jemalloc or tcmalloc do for
+    PyTorch on a CPU. A training step allocates activation buffers of tens of MB; by default glibc maps each one
+    afresh and unmaps it when freed, so every step pays page faults and zeroing for all of them. Process-wide; the
+    heap then stays at its peak size. Returns whether it applied (False off glibc)."""
+    libc = glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))

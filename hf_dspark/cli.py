@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "AMX CPUs), else float32")
     train.add_argument("--torch-compile", action="store_true",
                        help="compile the drafter's decoder layers and the vocabulary-wide loss terms with "
-                            "torch.compile (the first steps compile: pays on runs of more than a few dozen steps)")
+                            "torch.compile (the first steps compile: pays on runs of more than a few hundred steps)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--save-every", type=int, default=100)
     train.add_argument("--log-every", type=int, default=10)

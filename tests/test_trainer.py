@@ -311,7 +311,7 @@ def test_torch_compile_compiles_the_decoder_layers_and_uses_fused_adamw(tiny_tar
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_keep_freed_memory_applies_on_glibc():
-    from hf_dspark.training.trainer import keep_freed_memory
+    from hf_dspark.allocator import keep_freed_memory
 
     assert keep_freed_memory()
     assert torch.ones(16 << 20).sum() == 16 << 20  # a 64 MB tensor still allocates and frees

@@ -312,7 +312,12 @@ def environment() -> dict:
             "hf_dspark": __version__, "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "command": " ".join(shlex.quote(a) for a in ["hf-dspark", *sys.argv[1:]]) if sys.argv else None}
+            "command": invocation()}
+
+
+def invocation() -> str | None:
+    """This process's command line as ``hf-dspark ...`` (what a report names as the command that wrote it)."""
+    return " ".join(shlex.quote(a) for a in ["hf-dspark", *sys.argv[1:]]) if sys.argv else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -349,9 +354,8 @@ def write_report(report: dict, output: Path, markdown_path: Path | None = None, 
         markdown_path = Path(markdown_path)
         text = render_markdown(report, plots, markdown_path.parent)
         if extra:
-            command = " ".join(shlex.quote(a) for a in ["hf-dspark", *sys.argv[1:]])
             intro = (f"The sections below are other generated reports (each names its own command), appended by "
-                     f"`{command}`.\n")
+                     f"`{invocation()}`.\n")
             text = text.rstrip("\n") + "\n\n" + intro + "\n" + "\n".join(extra)
         markdown_path.write_text(text, encoding="utf-8")
         files["benchmarks"] = markdown_path

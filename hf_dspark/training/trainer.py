@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..allocator import keep_freed_memory
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
 from .checkpoints import STATE, TMP, latest_checkpoint, mark_complete, promote, remove_checkpoint
@@ -116,17 +117,6 @@ def _cpu_flags() -> list[str]:
             return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-
-
-def keep_freed_memory() -> bool:
-    """Serve large allocations from the heap and keep freed memory for reuse (glibc's ``mallopt``): what jemalloc or
-    tcmalloc do for PyTorch on a CPU. A training step allocates activation buffers of tens of MB; by default glibc
-    maps each one afresh and unmaps it when freed, so every step pays page faults and zeroing for all of them.
-    Process-wide; the heap then stays at its peak size. Returns whether it applied (False off glibc)."""
-    from ..allocator import M_MMAP_MAX, M_TRIM_THRESHOLD, glibc
-
-    libc = glibc()
-    return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def resolve_mixed_precision(choice: str, device: torch.device | str) -> str:
@@ -330,7 +320,7 @@ class DSparkTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
                                            betas=(0.9, 0.95), fused=fused or None)
         if args.torch_compile:
-            for layer in self.drafter.layers:  # regional compilation: one graph serves every layer
+            for layer in self.drafter.layers:  # regional compilation: the layers compiled, the rest eager
                 layer.compile()
         warmup = max(1, int(args.warmup_ratio * args.max_steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(warmup, args.max_steps))
