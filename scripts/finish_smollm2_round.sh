@@ -32,7 +32,8 @@ fi
 [ -f $CAND/dspark/config.json ] || $PY scripts/package_drafter.py --run runs/smollm2-dspark-$ROUND-heldoutconf \
     --drafter runs/calibrated-dspark-$ROUND --output $CAND/dspark --name smollm2-135m-instruct-dspark
 [ -f $CAND/dflash/config.json ] || $PY scripts/package_drafter.py --run runs/smollm2-dflash-$ROUND \
-    --output $CAND/dflash --name smollm2-135m-instruct-dflash
+    --output $CAND/dflash --name smollm2-135m-instruct-dflash \
+    --verification-policy fixed
 
 EVAL=(--data ../shared/data/eval --output "$OUT" --drafter $CAND/dspark --ablation $CAND/dflash
       --num-prompts 50 --speed-prompts 3 --speed-temperatures 0 --max-new-tokens 256 --temperatures 0 1 --threads 1)
