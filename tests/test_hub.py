@@ -136,7 +136,8 @@ def test_evaluation_text_from_bench_report():
         evaluation_text({"results": {"tau": 2.0}})
 
 
-def test_training_text_from_run(tmp_path):
+def write_run(tmp_path: Path) -> Path:
+    """A training run folder (trainer state, log, two regenerated shards) as `hf-dspark train` leaves it."""
     data = tmp_path / "regen"
     data.mkdir()
     (data / "manifest.json").write_text(json.dumps({"settings": {"temperature": 0.2, "top_p": 0.9,
@@ -156,6 +157,14 @@ def test_training_text_from_run(tmp_path):
     log = [{"loss": 3.0, "ce": 5.0, "tv": 1.5, "confidence": 0.6, "accuracy": 0.2, "elapsed_s": 60.0},
            {"loss": 2.5, "ce": 4.25, "tv": 1.25, "confidence": 0.5, "accuracy": 0.3125, "elapsed_s": 1800.0}]
     (run / "train_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in log))
+    return run
+
+
+def test_training_text_from_run(tmp_path):
+    run = write_run(tmp_path)
+    state = json.loads((run / "checkpoint-last" / "trainer_state.json").read_text())
+    args, shards = state["args"], state["shards"]
+    log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     text = training_text(run)
     assert "(temperature 0.2, top-p 0.9, up to 256 new tokens) to 4 conversation turns from 2 shards" in text
     assert "prompt sets: gsm8k (3), mbpp (1)" in text
@@ -358,6 +367,28 @@ class Olah:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.log.close()
+
+
+@pytest.mark.parametrize("policy", [None, "fixed"])
+def test_package_drafter_script_writes_a_card_and_the_chosen_policy(tmp_path, tiny_target, policy, monkeypatch):
+    """scripts/package_drafter.py: bf16 weights, the card's training section from the run, and the policy: hybrid
+    for a drafter with a confidence head unless --verification-policy names another (the DFlash ablation: fixed)."""
+    import importlib.util
+    import sys
+
+    run = write_run(tmp_path)
+    fresh_drafter(tiny_target).save_pretrained(run / "drafter")
+    out = tmp_path / "packaged"
+    spec = importlib.util.spec_from_file_location("package_drafter", REPO / "scripts" / "package_drafter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["package_drafter.py", "--run", str(run), "--output", str(out), "--name", "tiny-dspark"]
+    monkeypatch.setattr(sys, "argv", argv + (["--verification-policy", policy] if policy else []))
+    script.main()
+    packaged = DSparkDrafter.from_pretrained(out, dtype="auto")
+    assert packaged.dtype == torch.bfloat16
+    assert packaged.generation_config.verification_policy == (policy or "hybrid")
+    assert "120 steps x 8 sequences" in (out / "README.md").read_text()
 
 
 @pytest.fixture
