@@ -316,4 +316,4 @@ def test_features_shards_are_whole_or_absent_after_a_crash(tiny_targets, tmp_pat
 
     reference = check_crashes(run, finished, tmp_path)
     assert len(reference) == 3
-    assert len(FeatureStore(tmp_path / "crash-1", shards, [0, 2], 64).hidden) == 5
+    assert len(FeatureStore(tmp_path / "crash-1", shards, [0, 2], 64)) == 5

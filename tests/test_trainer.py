@@ -238,12 +238,13 @@ def test_feature_cache_keeps_data_folders_apart(tiny_targets, tmp_path):
     store = FeatureStore(tmp_path / "feat", shards, [0, 2], 512)
     trainer = DSparkTrainer(make_args(tmp_path, "online", data_dirs=[str(tmp_path / "a"), str(tmp_path / "b")],
                                       max_steps=1), target=target)
-    assert len(store.hidden) == len(trainer.sequences) == 11
+    assert len(store) == len(trainer.sequences) == 11
     for i in (0, 6, 10):  # sequences of both folders
         batch = collate([trainer.sequences[i]], 0)
         hidden, last = trainer._online_features(batch)
-        torch.testing.assert_close(store.hidden[i], hidden[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(store.last[i], last[0], atol=1e-5, rtol=1e-5)
+        stored_hidden, stored_last = store.sequence(i)[:2]
+        torch.testing.assert_close(stored_hidden, hidden[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(stored_last, last[0], atol=1e-5, rtol=1e-5)
 
     # Features of other data under this shard's name are refused, not served.
     feat = tmp_path / "feat"
@@ -328,9 +329,10 @@ def test_features_cache_stores_the_log_normalizer_and_training_uses_it(tiny_targ
     store = FeatureStore(tmp_path / "feat", shards, [0, 2], 512)
     assert store.has_log_normalizer
     weight = target.get_output_embeddings().weight
-    logits = store.last[0] @ weight.T
-    torch.testing.assert_close(store.lse[0], torch.logsumexp(logits, -1))
-    assert torch.equal(store.argmax[0].long(), logits.argmax(-1))
+    _, last, lse, argmax = store.sequence(0)
+    logits = last @ weight.T
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+    assert torch.equal(argmax.long(), logits.argmax(-1))
 
     seen = []
     original = losses.target_view
