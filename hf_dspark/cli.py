@@ -534,6 +534,54 @@ def cmd_push(args) -> int:
     return 0
 
 
+def serve_command(settings: dict) -> str:
+    """The ``hf-dspark bench-serve`` command line that a report's settings record (options left at their default
+    omitted): what a report written without its command names as its command."""
+    import shlex
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = subcommands.choices["bench-serve"]
+    parts = ["hf-dspark", "bench-serve"]
+    for action in serve._actions:
+        if not action.option_strings or action.dest in ("help", "output", "plot", "markdown", "from_report"):
+            continue
+        value = settings.get(action.dest, action.default)
+        if value is None or value == action.default or value is False:
+            continue
+        flag = action.option_strings[-1]
+        if value is True or (action.const is not None and value == action.const):
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts += [flag, *map(str, value)]
+        else:
+            parts += [flag, str(value)]
+    for flag in ("output", "plot"):
+        if settings.get(flag):
+            parts += [f"--{flag}", settings[flag]]
+    return shlex.join(parts)
+
+
+def _render_serve_report(args) -> int:
+    """``bench-serve --from-report JSON --markdown MD``: the Markdown of an earlier report, nothing run."""
+    from pathlib import Path
+
+    from .evaluation.bench_report import render_serve_markdown
+
+    if not args.markdown:
+        raise UsageError("--from-report renders an earlier report: give --markdown, the file to write")
+    path = Path(args.from_report)
+    if not path.is_file():
+        raise UsageError(f"--from-report: no file {path}")
+    payload = json.loads(path.read_text())
+    if "settings" not in payload or "results" not in payload:
+        raise UsageError(f"--from-report: {path} is not a bench-serve report (no 'settings' and 'results')")
+    env = payload.get("environment") or {"command": serve_command(payload["settings"])}
+    Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.markdown).write_text(render_serve_markdown(payload, env))
+    print(f"markdown: {args.markdown}")
+    return 0
+
+
 def cmd_bench_serve(args) -> int:
     """Replay a prompt set through the batched engine at several concurrencies: plain / fixed / scheduled."""
     from pathlib import Path
@@ -543,6 +591,12 @@ def cmd_bench_serve(args) -> int:
                                measurements_from_report, parse_method, plot_bench, pretouch_setting)
     from .prompts import load_prompts
 
+    if args.from_report:
+        return _render_serve_report(args)
+    if args.markdown == args.output and args.markdown:
+        raise UsageError("--markdown and --output name the same file")
+    if not args.prompts:
+        raise UsageError("--prompts is required (or --from-report to render an earlier report)")
     specs = {method: parse_method(method, args.schedule) for method in args.methods}  # fail fast on a typo
     if args.lockstep == "pairs":
         lockstep_pairs(specs)  # and on a method nothing would be compared with, before loading anything
@@ -589,12 +643,19 @@ def cmd_bench_serve(args) -> int:
     else:
         report = bench_serve(target, drafter, [ids for _, ids in prompts], args.methods, args.concurrency,
                              share_measurements=not args.cold_engines, lockstep=args.lockstep or False, **common)
+    from .evaluation.report import environment
+
     settings = {k: v for k, v in vars(args).items() if k != "func"}
     payload = {"settings": {**settings, "device": str(device), "drafter_origin": origin, "allocator": allocator,
-                            "prompt_ids": [i for i, _ in prompts]}, **report}
+                            "prompt_ids": [i for i, _ in prompts]}, "environment": environment(), **report}
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(payload, indent=2))
+    if args.markdown:
+        from .evaluation.bench_report import render_serve_markdown
+
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(render_serve_markdown(payload, payload["environment"]))
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else None)
     if plot and len(args.concurrency) > 1:
         print(f"plot: {plot_bench(report, plot)}")
@@ -842,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .engine.bench import BENCH_PRETOUCH_MIB
 
     serve = sub.add_parser("bench-serve", help="batched serving: tokens/s and verification budget vs concurrency")
-    serve.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files or folders")
+    serve.add_argument("--prompts", nargs="+", default=None, help="prompt .jsonl files or folders (required to run)")
     serve.add_argument("--num-prompts", type=int, default=64, help="prompts replayed (shuffled with --seed)")
     serve.add_argument("--max-new-tokens", type=int, default=256)
     serve.add_argument("--concurrency", type=int, nargs="+", default=None,
@@ -898,6 +959,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "measurements file) measured: a server that has learned this machine already")
     serve.add_argument("--output", default=None, help="write the JSON report here (and the plot next to it)")
     serve.add_argument("--plot", default=None, help="PNG path (default: --output with .png; needs 2+ concurrencies)")
+    serve.add_argument("--markdown", default=None,
+                       help="also write the report as a Markdown table here (BENCHMARKS.md can include it: "
+                            "`hf-dspark eval --render-only --benchmarks-include`)")
+    serve.add_argument("--from-report", default=None, metavar="JSON",
+                       help="run nothing: write --markdown from an earlier --output report")
     serve.set_defaults(func=cmd_bench_serve)
     return parser
 

@@ -3,7 +3,8 @@
 # (float32 by default; DTYPE=bfloat16 for the AMX path), 64 eval prompts (first turns, shuffled with seed 0) x 256 new
 # tokens, greedy, replayed at concurrency 1, 4, 16 and 64 for plain batched decoding, fixed-length DSpark
 # verification and scheduled DSpark (Algorithm 1 by width layers over the profiled SPS of the padded batch, drafting
-# skipped when it cannot pay). Writes reports/bench-serve-smollm2-<dtype>.json and .png.
+# skipped when it cannot pay). Writes reports/bench-serve-smollm2-<tag>.json, .png and .md (the table BENCHMARKS.md
+# includes).
 #
 # Run it on a quiet machine: it first profiles the batched SPS(B) curve once and caches it (keyed by device, dtype and
 # thread count, in $HF_DSPARK_CACHE/profiles/sps-batched-*.json); delete that file if it was measured under load.
@@ -22,4 +23,5 @@ exec .venv/bin/hf-dspark bench-serve \
     --methods plain fixed scheduled \
     --dtype "$DTYPE" \
     --output "reports/bench-serve-smollm2-$TAG.json" \
+    --markdown "reports/bench-serve-smollm2-$TAG.md" \
     "$@"
