@@ -4,7 +4,9 @@
 # data/regen-smollm2-heldout (eval_log.jsonl: stop when tau stops rising). Outputs go to runs/smollm2-*-$ROUND. Every
 # step is resumable: re-run the script (same ROUND) after an interruption.
 #   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns; the shipped drafters).
-#   ROUND=v4: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md).
+#   Any other ROUND: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md). The round after v5:
+#     ROUND=v6 FROM=v5 FEATURES=runs/long/features TARGET_DTYPE=bfloat16 MP=bf16 STEPS=5000 EVAL_EVERY=1000 \
+#       TRAIN_ARGS="--torch-compile --confidence-target greedy" ./scripts/train_smollm2_round.sh
 # TRAIN_ARGS adds `hf-dspark train` arguments to both runs (e.g. "--torch-compile --confidence-target greedy").
 # MP=bf16 trains under bfloat16 autocast (accelerate mixed precision). TARGET_DTYPE=bfloat16 computes the target
 # features in bfloat16 (1.6x faster on a CPU with bfloat16 arithmetic; 0.6% relative difference from float32 in the
