@@ -3,8 +3,8 @@
 # DFlash ablation, same steps and data) on the regenerated data in DATA, with held-out evaluation on
 # data/regen-smollm2-heldout (eval_log.jsonl: stop when tau stops rising). Outputs go to runs/smollm2-*-$ROUND. Every
 # step is resumable: re-run the script (same ROUND) after an interruption.
-#   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns; the shipped drafters).
-#   Any other ROUND: also data/regen-smollm2-c (bfloat16 regeneration, data/README.md). The round after v5:
+#   ROUND=v3 (default): DATA = data/regen-smollm2 data/regen-smollm2-b (2737 turns).
+#   Any other ROUND: also data/regen-smollm2-c (3256 turns, bfloat16 regeneration, data/README.md). The round after v5:
 #     ROUND=v6 FROM=v5 FEATURES=runs/long/features TARGET_DTYPE=bfloat16 MP=bf16 STEPS=5000 EVAL_EVERY=1000 \
 #       TRAIN_ARGS="--torch-compile --confidence-target greedy" ./scripts/train_smollm2_round.sh
 # TRAIN_ARGS adds `hf-dspark train` arguments to both runs (e.g. "--torch-compile --confidence-target greedy").
