@@ -92,6 +92,10 @@ def test_serve_markdown_table():
             in lines)
     assert "| 16 | 200.0 tok/s | **0.98x**, 198.0 tok/s, tau 1.00, 0.0 drafts/step, 4/4 same |" in lines
     assert "- Machine: cpu (2 cores, 2 torch threads)" in text
+    interleaved = _serve_payload()
+    interleaved["results"]["scheduled"]["1"]["vs_plain"] = {"aggregate": 1.42, "aggregate_se_factor": 1.013}
+    assert "| 1 | 20.0 tok/s | **1.42x** (s.e. x/÷1.013), 31.0 tok/s, tau 2.10, 3.2 drafts/step, 4/4 same |" in (
+        render_serve_markdown(interleaved, {}).splitlines())
     no_machine = render_serve_markdown(_serve_payload(), {"command": "x"})
     assert "- Machine: not recorded in the report" in no_machine
     with pytest.raises(ValueError, match="no results"):

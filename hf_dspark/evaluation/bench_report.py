@@ -92,10 +92,13 @@ def render_bench_markdown(payload: dict, environment: dict) -> str:
 def _serve_cell(row: dict, baseline: str | None) -> str:
     cell = f"{row['tokens_per_s']:.1f} tok/s"
     ratios = row.get(f"vs_{baseline}") if baseline else None
-    if ratios:
+    if ratios and "paired" in ratios:  # whole runs paired (bench_serve)
         paired = ratios["paired"]
         spread = f" ({min(paired):.2f}-{max(paired):.2f})" if len(paired) > 1 else ""
         cell = f"**{ratios['paired_geomean']:.2f}x**{spread}, " + cell
+    elif ratios:  # requests paired (bench_interleaved): the aggregate ratio and its bootstrap standard error
+        se = ratios.get("aggregate_se_factor")
+        cell = f"**{ratios['aggregate']:.2f}x**" + (f" (s.e. x/÷{se:.3f})" if se else "") + ", " + cell
     if baseline:
         cell += f", tau {row['accepted_length']:.2f}, {row['mean_verify_tokens_per_step']:.1f} drafts/step"
         if "identical_to_plain" in row:
