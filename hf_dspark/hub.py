@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from .modeling_dspark import DSparkDrafter
-from .training.checkpoints import STATE, latest_checkpoint
+from .training.checkpoints import INIT_CARD, STATE, latest_checkpoint
 
 # Files a push owns: when the new folder lacks one (an uncalibrated drafter has no sts.json, weights changed from
 # sharded to single-file), the stale remote copy is deleted in the same commit. Other files in the repo are kept.
@@ -172,7 +172,7 @@ def training_text(run: str | Path) -> str:
     if args.get("train_modules"):
         lines.append(f"- Trained modules: {', '.join(args['train_modules'])} (the rest frozen).")
     if init is not None:
-        lines.append(_warm_start_text(init, own_final=final))
+        lines.append(_warm_start_text(init, run, own_final=final))
     return "\n".join(lines)
 
 
@@ -204,13 +204,16 @@ def _run_folder(drafter: Path) -> Path | None:
     return parent if latest_checkpoint(parent) is not None else None
 
 
-def _warm_start_text(init: Path, own_final: str | None = None) -> str:
-    """A card line for a run that started from an earlier drafter (``hf-dspark train --init-drafter``), with that
-    drafter's own budget when its run folder (the drafter's parent) is at hand, or else its card's training section
-    (a packaged drafter, e.g. the embedded one a new round continued)."""
+def _warm_start_text(init: Path, run: Path, own_final: str | None = None) -> str:
+    """A card line for the run folder ``run`` that started from an earlier drafter (``hf-dspark train
+    --init-drafter``), with that drafter's own budget when its run folder (the drafter's parent) is at hand, or else
+    its card's training section (a packaged drafter, e.g. the embedded one a new round continued): the copy the run
+    kept when it started, else the card in that folder now."""
     parent = _run_folder(init)
     if parent is None:
-        section = _card_training_section(init)
+        kept = run / INIT_CARD
+        section = (_card_section(kept.read_text(encoding="utf-8"), "Training") if kept.is_file()
+                   else _card_training_section(init))
         if section is None:
             return (f"- Initialised from the drafter `{init}` (neither its run folder nor a model card with a "
                     "training section was found, so its budget is not listed).")
@@ -227,7 +230,7 @@ def _warm_start_text(init: Path, own_final: str | None = None) -> str:
     text = (f"- Initialised from an earlier drafter (`{init}`: {state['step']} steps x {sequences} sequences, "
             f"{args['num_anchors']} anchors per sequence, {len(state['shards'])} shards, lr {args['learning_rate']}).")
     if args.get("init_drafter"):
-        text += "\n" + _warm_start_text(Path(args["init_drafter"]))
+        text += "\n" + _warm_start_text(Path(args["init_drafter"]), parent)
     return text
 
 

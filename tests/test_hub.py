@@ -26,6 +26,7 @@ import torch
 
 from hf_dspark import DSparkDrafter
 from hf_dspark.hub import evaluation_text, load_report, training_text, write_hub_folder
+from hf_dspark.training.checkpoints import INIT_CARD
 from tests._hub_client import state_digest
 from tests.helpers import REPO, make_drafter, make_target, random_prompts
 from tests.hub_server import HubServer
@@ -197,6 +198,18 @@ def test_training_text_from_run(tmp_path):
     (packaged / "README.md").write_text(f"# d\n\n## Training\n\n{text}\n")
     with pytest.raises(ValueError, match="already describes this run"):
         training_text(child)
+    # the copy of the starting card that the run kept when it started wins over the folder's card now
+    (child / INIT_CARD).write_text("# d\n\n## Training\n\n- Budget: 3 steps.\n\n## Usage\n\ny\n")
+    assert training_text(child).endswith(f"`{packaged}` as it stood when this run started, itself trained as "
+                                         "follows:\n  - Budget: 3 steps.")
+    # and a run continued from that run quotes the same kept card one level down
+    grandchild = tmp_path / "grandchild"
+    (grandchild / "checkpoint-last").mkdir(parents=True)
+    (grandchild / "checkpoint-last" / "trainer_state.json").write_text(json.dumps(
+        {"args": {**args, "init_drafter": str(child / "drafter")}, "step": 7, "shards": shards}))
+    (grandchild / "train_log.jsonl").write_text(json.dumps(log[0]) + "\n")
+    assert training_text(grandchild).endswith("itself trained as follows:\n  - Budget: 3 steps.")
+    (child / INIT_CARD).unlink()
     (packaged / "README.md").unlink()
     # a fine-tune of the confidence head alone: the base drafter's whole description, then that stage
     head = tmp_path / "head"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hf_dspark import DSparkDrafter
+from hf_dspark.training.checkpoints import INIT_CARD
 from hf_dspark.training.losses import leading_matches
 from hf_dspark.training.trainer import DSparkTrainer, TrainingArguments, collate
 from tests.helpers import random_prompts, target_greedy_sequences
@@ -138,9 +139,17 @@ def test_confidence_head_fine_tune_freezes_the_rest(tiny_targets, tmp_path):
     trainer.train(progress=False)
     tuned = DSparkDrafter.from_pretrained(tmp_path / "conf" / "drafter")
     assert tuned.config.confidence_target == "greedy"
+    assert not (tmp_path / "conf" / INIT_CARD).exists()  # the starting folder had no card to keep
     assert tuned.config.confidence_temperatures is None  # fitted to the old head: dropped
     changed = {n for n, t in base.state_dict().items() if not torch.equal(t, tuned.state_dict()[n])}
     assert changed and all(n.startswith("confidence_head.") for n in changed)
+
+    # A start with a model card: the run keeps a copy from its start, which re-packaging that folder cannot change.
+    (tmp_path / "calibrated" / "README.md").write_text("# start\n\n## Training\n\n- Budget: 2 steps.\n")
+    DSparkTrainer(make_args(tmp_path, "carded", max_steps=1, init_drafter=str(tmp_path / "calibrated")),
+                  target=target).train(progress=False)
+    (tmp_path / "calibrated" / "README.md").write_text("# repackaged\n")
+    assert (tmp_path / "carded" / INIT_CARD).read_text() == "# start\n\n## Training\n\n- Budget: 2 steps.\n"
 
     # Training another module leaves the head's temperatures and label alone.
     other = DSparkTrainer(make_args(tmp_path, "markov", max_steps=1, init_drafter=str(tmp_path / "calibrated"),

@@ -19,6 +19,9 @@ from pathlib import Path
 MARKER = "COMPLETE"
 LAST, OLD, TMP = "checkpoint-last", "checkpoint-old", "checkpoint-tmp"
 STATE = "trainer_state.json"
+# the model card of the packaged drafter a run started from (--init-drafter), copied when the run starts: that folder
+# may be re-packaged with this run's weights and card later, and the run's own card quotes how its start was trained
+INIT_CARD = "init_drafter_card.md"
 
 
 def _fsync(path: Path) -> None:

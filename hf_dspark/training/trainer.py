@@ -28,7 +28,7 @@ import torch
 from ..allocator import keep_freed_memory
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
-from .checkpoints import STATE, TMP, latest_checkpoint, mark_complete, promote, remove_checkpoint
+from .checkpoints import INIT_CARD, STATE, TMP, latest_checkpoint, mark_complete, promote, publish, remove_checkpoint
 from .data import list_shards, load_sequences
 from .features import FeatureStore
 from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step, leading_matches
@@ -298,6 +298,8 @@ class DSparkTrainer:
         self.tokenizer = tokenizer
         self.drafter = self._build_drafter(state)
         self.drafter.attach_target(self.target)
+        if not state and args.init_drafter:
+            self._keep_init_card()
         self.peft_model = self._apply_lora(state) if args.lora else None
         if args.train_modules:
             self._freeze_except(args.train_modules)
@@ -387,6 +389,15 @@ class DSparkTrainer:
         config = LoraConfig(r=self.args.lora_rank, lora_alpha=self.args.lora_alpha,
                             target_modules=self.args.lora_target_modules, lora_dropout=0.0, bias="none")
         return get_peft_model(self.drafter, config)
+
+    def _keep_init_card(self) -> None:
+        """Copy the starting drafter's model card into the run folder, so the run's card quotes how that drafter was
+        trained even after its folder is re-packaged with this run's weights."""
+        card = Path(self.args.init_drafter) / "README.md"
+        if card.is_file() and self.accelerator.is_main_process:
+            tmp = self.output_dir / (INIT_CARD + ".tmp")
+            tmp.write_text(card.read_text(encoding="utf-8"), encoding="utf-8")
+            publish(tmp, self.output_dir / INIT_CARD)
 
     def _build_drafter(self, state: dict | None) -> DSparkDrafter:
         if state and not self.args.lora:
