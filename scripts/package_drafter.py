@@ -2,7 +2,7 @@
 
     python scripts/package_drafter.py --run runs/smollm2-dspark --drafter runs/calibrated-dspark \
         --output hf_dspark/drafters/smollm2-135m-instruct-dspark --name smollm2-135m-instruct-dspark \
-        --report reports/eval-smollm2-v5/report.json
+        --report reports/eval-smollm2-v6/report.json
 """
 
 from __future__ import annotations
