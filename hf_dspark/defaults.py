@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -15,9 +16,24 @@ def embedded_drafter_path(name: str = DEFAULT_DRAFTER) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def weights_digest(folder: str | Path) -> str | None:
+    """The first 12 hex digits of the SHA-256 over a local drafter folder's ``*.safetensors`` files (sorted by name),
+    or None for a folder without any (e.g. a Hub id): what a report names so that it says which weights it
+    measured, even after the folder is re-packaged with new ones."""
+    files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+    if not files:
+        return None
+    sha = hashlib.sha256()
+    for file in files:
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+    return sha.hexdigest()[:12]
+
+
 def load_drafter_for(target, drafter: str | None = None, dtype: torch.dtype | None = None, seed: int = 0):
     """Return ``(drafter, origin)``: the given folder, else the embedded drafter, else (with a clear label) a
-    randomly initialised drafter shaped for ``target``."""
+    randomly initialised drafter shaped for ``target``. ``origin`` names a local folder with its weights' digest."""
     from .configuration_dspark import DSparkConfig
     from .modeling_dspark import DSparkDrafter
 
@@ -25,7 +41,8 @@ def load_drafter_for(target, drafter: str | None = None, dtype: torch.dtype | No
     path = drafter or embedded_drafter_path()
     if path is not None:
         model = DSparkDrafter.from_pretrained(path, dtype=dtype).eval()
-        origin = str(path)
+        digest = weights_digest(path)
+        origin = str(path) + (f" (weights sha256 {digest})" if digest else "")
     else:
         torch.manual_seed(seed)
         model = DSparkDrafter(DSparkConfig.for_target(target.config, num_hidden_layers=2)).to(dtype).eval()

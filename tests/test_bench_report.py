@@ -21,9 +21,10 @@ def test_bench_markdown_tables():
         "all": {"plain": _row(1.0), "dspark:hybrid": _row(1.1, **hybrid), "prompt_lookup": _row(0.95)},
     }
     payload = {"settings": {"dtype": "float32", "max_new_tokens": 64, "num_prompts": 2, "threads": 2},
-               "results": {"report": report}}
+               "results": {"report": report, "drafters": {"dspark": "d (weights sha256 0123456789ab)"}}}
     text = render_bench_markdown(payload, {"command": "hf-dspark bench ...", "cpu": "cpu", "cpu_count": 2})
     lines = text.splitlines()
+    assert "- Drafters: dspark: `d (weights sha256 0123456789ab)`" in lines  # which weights were measured
     assert "| set | plain | dspark:hybrid | prompt_lookup |" in lines
     assert "| a | 1.00x | 1.21x (tau 1.50) 2/2 same | 1.10x |" in lines
     geomean = next(line for line in lines if line.startswith("| geometric mean"))

@@ -462,3 +462,21 @@ def test_embedded_drafters_ship_the_package_code(name):
                             ("custom_generate/scheduling.py", "scheduling.py"),
                             ("custom_generate/generate.py", "generation.py")):
         assert (folder / shipped).read_bytes() == (package / source).read_bytes(), f"{name}/{shipped} is stale"
+
+
+def test_reports_name_the_weights_they_measured(tiny_target, tmp_path):
+    """load_drafter_for's origin carries the digest of the folder's weights: a report written before a folder is
+    re-packaged with new weights says which ones it measured."""
+    from hf_dspark.defaults import load_drafter_for, weights_digest
+
+    drafter = make_drafter(tiny_target)
+    drafter.save_pretrained(tmp_path / "d")
+    digest = weights_digest(tmp_path / "d")
+    assert digest is not None and len(digest) == 12
+    _, origin = load_drafter_for(tiny_target, str(tmp_path / "d"))
+    assert origin == f"{tmp_path / 'd'} (weights sha256 {digest})"
+    with torch.no_grad():
+        next(drafter.parameters()).add_(1.0)
+    drafter.save_pretrained(tmp_path / "d")
+    assert weights_digest(tmp_path / "d") != digest
+    assert weights_digest(tmp_path / "missing") is None and weights_digest("org/a-hub-id") is None
