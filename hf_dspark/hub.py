@@ -212,8 +212,7 @@ def _warm_start_text(init: Path, run: Path, own_final: str | None = None) -> str
     parent = _run_folder(init)
     if parent is None:
         kept = run / INIT_CARD
-        section = (_card_section(kept.read_text(encoding="utf-8"), "Training") if kept.is_file()
-                   else _card_training_section(init))
+        section = _card_training_section(kept if kept.is_file() else init / "README.md")
         if section is None:
             return (f"- Initialised from the drafter `{init}` (neither its run folder nor a model card with a "
                     "training section was found, so its budget is not listed).")
@@ -234,9 +233,8 @@ def _warm_start_text(init: Path, run: Path, own_final: str | None = None) -> str
     return text
 
 
-def _card_training_section(folder: Path) -> str | None:
-    """The "Training" section of the model card in a drafter folder, if it has one."""
-    card = folder / "README.md"
+def _card_training_section(card: Path) -> str | None:
+    """The "Training" section of a model card file, if the file exists and has one."""
     return _card_section(card.read_text(encoding="utf-8"), "Training") if card.is_file() else None
 
 

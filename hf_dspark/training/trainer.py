@@ -28,7 +28,7 @@ import torch
 from ..allocator import keep_freed_memory
 from ..configuration_dspark import DSparkConfig
 from ..modeling_dspark import DSparkDrafter
-from .checkpoints import INIT_CARD, STATE, TMP, latest_checkpoint, mark_complete, promote, publish, remove_checkpoint
+from .checkpoints import INIT_CARD, STATE, TMP, latest_checkpoint, mark_complete, promote, remove_checkpoint, write_atomic
 from .data import list_shards, load_sequences
 from .features import FeatureStore
 from .losses import DEFAULT_LOSS_WEIGHTS, drafter_training_step, leading_matches
@@ -395,9 +395,7 @@ class DSparkTrainer:
         trained even after its folder is re-packaged with this run's weights."""
         card = Path(self.args.init_drafter) / "README.md"
         if card.is_file() and self.accelerator.is_main_process:
-            tmp = self.output_dir / (INIT_CARD + ".tmp")
-            tmp.write_text(card.read_text(encoding="utf-8"), encoding="utf-8")
-            publish(tmp, self.output_dir / INIT_CARD)
+            write_atomic(self.output_dir / INIT_CARD, card.read_text(encoding="utf-8"))
 
     def _build_drafter(self, state: dict | None) -> DSparkDrafter:
         if state and not self.args.lora:
