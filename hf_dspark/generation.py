@@ -258,7 +258,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self.policy.uses_lookup:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.cache = drafter.new_context_cache()
+        self.static_round = _static_round_for(drafter, generation_config, logits_processor, self.do_sample)
+        self.cache = self.static_round if self.static_round is not None else drafter.new_context_cache()
         # Target features of verified positions not yet in the drafter's context: rounds that do not draft from the
         # block leave them here, and the next block draft appends them all in its own forward (one multi-position
         # context pass costs about what a one-position pass costs).
@@ -365,15 +366,18 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._pending_round = _PendingRound()
             return input_ids, None
         started = time.perf_counter()
-        draft = self.drafter.draft(
-            input_ids[:, -1],
-            anchor_position,
-            self._context_features(target_hidden),
-            self.cache,
-            prefix_ids=input_ids[:, :-1],
-            logits_processor=self.logits_processor,
-            do_sample=self.do_sample,
-        )
+        if self.static_round is not None:
+            draft = self.static_round.draft(input_ids[:, -1], anchor_position, self._context_features(target_hidden))
+        else:
+            draft = self.drafter.draft(
+                input_ids[:, -1],
+                anchor_position,
+                self._context_features(target_hidden),
+                self.cache,
+                prefix_ids=input_ids[:, :-1],
+                logits_processor=self.logits_processor,
+                do_sample=self.do_sample,
+            )
         seconds = time.perf_counter() - started
         self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
         confidences = None if draft.confidences is None else draft.confidences[0]
@@ -443,6 +447,48 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 confidences=confidences,
                 source=source,
             ))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# How a drafting round runs
+# ------------------------------------------------------------------------------------------------------------------
+# ``drafter.generation_config.draft_round``:
+#   "auto"   (default) on CUDA, a static round replayed from a CUDA graph where the round allows it (value-only
+#            logits processors; should the capture itself fail, a warning and the static round run eagerly);
+#            otherwise the eager round
+#   "eager"  the eager round: a growing context cache, every kernel launched from Python
+#   "static" the static round (fixed-shape buffers) run eagerly, on any device: the graph's computation without capture
+#   "graph"  the static round captured as a CUDA graph; an error where that is impossible
+DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
+# Context buffers are sized in steps of this many positions, so calls of similar lengths share one round (and graph).
+CAPACITY_STEP = 256
+
+
+def draft_round_mode(drafter) -> str:
+    mode = getattr(drafter.generation_config, "draft_round", None) or "auto"
+    if mode not in DRAFT_ROUNDS:
+        raise ValueError(f"unknown draft_round {mode!r}; expected one of {list(DRAFT_ROUNDS)}")
+    return mode
+
+
+def _static_round_for(drafter, generation_config, logits_processor, do_sample: bool):
+    """The drafter's static round for this call, or None for the eager round (see ``DRAFT_ROUNDS``)."""
+    mode = draft_round_mode(drafter)
+    if mode == "eager":
+        return None
+    builder = getattr(drafter, "static_round", None)
+    cuda = drafter.device.type == "cuda"
+    if mode == "auto":
+        if not cuda or builder is None or drafter.static_round_obstacle(logits_processor) is not None:
+            return None
+    elif builder is None:
+        raise ValueError(f"draft_round={mode!r}: this drafter's code has no static round (DSparkDrafter.static_round)")
+    # The anchor of a round is at most max_length - 2 and its window reaches block_size + 1 positions past the
+    # context, so max_length + block_size positions always suffice.
+    needed = generation_config.max_length + drafter.config.block_size
+    capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+    return builder(capacity, processors=logits_processor, do_sample=do_sample, graph=mode in ("auto", "graph"),
+                   fallback=mode == "auto")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -703,6 +749,8 @@ __all__ = [
     "DSparkCandidateGenerator",
     "DSparkRound",
     "DSparkStats",
+    "DRAFT_ROUNDS",
+    "draft_round_mode",
     "dspark_dispatch",
     "first_stop",
     "generate",

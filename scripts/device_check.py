@@ -6,6 +6,9 @@ Run from the repo root. Checks:
   triton_scheduler   the compiled Triton scheduler kernels against their torch twins, several (R, g), time per call
   greedy[policy]     a tiny random target on the device: plain greedy == DSpark-assisted greedy (fixed, scheduler,
                      hybrid), rounds by source, time split
+  round_cost         ms per drafting round (eager, static, CUDA graph; greedy and sampling) against one target
+                     forward of 1 and of block + 1 tokens, SmolLM2 shapes from a config; the graph round under
+                     torch.cuda.set_sync_debug_mode("error")
   smollm2            plain greedy vs the shipped drafter's default policy vs transformers' prompt lookup, interleaved,
                      tok/s and ratios, tau, outputs equal to plain; on CUDA the host syncs of one DSpark generate()
                      under torch.cuda.set_sync_debug_mode("warn")
@@ -150,7 +153,97 @@ def check_greedy(policy, args, device):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# c. SmolLM2: speed of plain greedy, the shipped default, prompt lookup
+# c. What one drafting round costs against one target forward (SmolLM2-135M shapes, weights from a config)
+# ------------------------------------------------------------------------------------------------------------------
+
+def smollm2_shaped(device, dtype):
+    """SmolLM2-135M-Instruct's architecture and the shipped drafter's, randomly initialised: per forward they cost
+    exactly what the real models cost, and nothing has to be loaded or converted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_dspark.configuration_dspark import DSparkConfig
+    from hf_dspark.defaults import embedded_drafter_path
+    from hf_dspark.modeling_dspark import DSparkDrafter
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    target = LlamaForCausalLM(config).to(device, dtype).eval()
+    drafter = DSparkDrafter(DSparkConfig.from_pretrained(embedded_drafter_path())).to(device, dtype).eval()
+    return target, drafter.attach_target(target)
+
+
+@torch.no_grad()
+def check_round_cost(args, device):
+    """Milliseconds per drafting round (eager, static buffers run eagerly, and on CUDA the static round replayed from a
+    CUDA graph), greedy and sampling (temperature 0.7, top-p 0.95), against one target forward of 1 and of
+    block + 1 tokens at the same context length. Each round appends 3 new context positions, as a typical round
+    does. On CUDA the graph round also runs under ``torch.cuda.set_sync_debug_mode("error")``."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target, drafter = smollm2_shaped(device, dtype)
+    g = drafter.config.block_size
+    context = 64 if args.quick else 512
+    calls = 5 if args.quick else (50 if device.type == "cuda" else 10)
+    ids = torch.randint(3, 49152, (1, context + 4), device=device)
+    prefill = target(ids[:, :context], use_cache=True, output_hidden_states=True)
+    features = drafter.gather_target_hidden(prefill.hidden_states, drafter.config.target_layer_ids)
+    new = torch.randn(1, 3, features.shape[-1], device=device, dtype=dtype)
+    cache = prefill.past_key_values
+
+    def target_forward(width):
+        def run():
+            target(ids[:, context:context + width] if width <= 4 else torch.randint(3, 49152, (1, width), device=device),
+                   past_key_values=cache, use_cache=True, output_hidden_states=True)
+            cache.crop(-width)
+        return run
+
+    def per_call_ms(fn):
+        fn()
+        _, seconds = timed(lambda: [fn() for _ in range(calls)], device)
+        return 1e3 * seconds / calls
+
+    numbers = {"dtype": str(dtype).replace("torch.", ""), "context": context, "block": g,
+               "target_1tok_ms": round(per_call_ms(target_forward(1)), 3),
+               f"target_{g + 1}tok_ms": round(per_call_ms(target_forward(g + 1)), 3)}
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.95)])
+    modes = ["eager", "static"] + (["graph"] if device.type == "cuda" else [])
+    for sampling in (False, True):
+        processors = warpers if sampling else None
+        for mode in modes:
+            if mode == "eager":
+                eager_cache = drafter.new_context_cache()
+                drafter.extend_context(eager_cache, features[:, :-1], 0)
+
+                def round_fn():
+                    drafter.draft(ids[:, context], context + 2, torch.cat([features[:, -1:], new[:, :2]], dim=1),
+                                  eager_cache, logits_processor=processors, do_sample=sampling)
+                    eager_cache.crop(context - 1)
+            else:
+                static = drafter.static_round(1024, processors=processors, do_sample=sampling, graph=mode == "graph")
+                static.extend(features[:, :-1])
+
+                def round_fn():
+                    static.draft(ids[:, context], context + 2, torch.cat([features[:, -1:], new[:, :2]], dim=1))
+                    static.length = context - 1
+            ms = per_call_ms(round_fn)
+            name = f"{'sample' if sampling else 'greedy'}_{mode}"
+            numbers[f"{name}_ms"] = round(ms, 3)
+            numbers[f"{name}_per_target_fwd"] = round(ms / numbers["target_1tok_ms"], 3)
+            if mode == "graph":
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    round_fn()  # raises on any host synchronisation inside a round
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                numbers[f"{name}_syncs"] = 0
+    return [("round_cost", numbers)]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# d. SmolLM2: speed of plain greedy, the shipped default, prompt lookup
 # ------------------------------------------------------------------------------------------------------------------
 
 def smollm2_prompts(tokenizer, device):
@@ -188,8 +281,30 @@ def count_sync_warnings(fn):
     return len(syncs), dict(sites.most_common(8))
 
 
+class StaticCacheFor:
+    """A transformers ``StaticCache`` for ``target`` that ``fresh`` resets before each generate() call."""
+
+    def __init__(self, target, capacity: int):
+        from transformers import StaticCache
+
+        self.cache = StaticCache(config=target.config, max_cache_len=capacity)
+
+
+def fresh(extra: dict) -> dict:
+    """generate() keyword arguments for one call: a ``StaticCacheFor`` becomes its cache, reset."""
+    call = dict(extra)
+    for key, value in extra.items():
+        if isinstance(value, StaticCacheFor):
+            value.cache.reset()
+            call[key] = value.cache
+    return call
+
+
 @torch.no_grad()
 def check_smollm2(args, device):
+    """Interleaved generate() calls per method; each method's ratio is against plain decoding of the same kind
+    (greedy or sampling, temperature 0.7, top-p 0.95). Greedy outputs are compared with plain greedy."""
+    import copy
     import importlib.util
 
     if args.quick:
@@ -203,56 +318,79 @@ def check_smollm2(args, device):
     policy = drafter.generation_config.verification_policy
     new_tokens = args.max_new_tokens or (128 if device.type == "cuda" else 32)
     prompts, origin = smollm2_prompts(tokenizer, device)
-    kwargs = dict(do_sample=False, max_new_tokens=new_tokens)
+    sample = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=None)
+    # name -> (generate() keyword arguments, the plain method it is measured against)
     methods = {
-        "plain": {},
-        f"dspark[{policy}]": {"assistant_model": drafter},
-        "prompt_lookup": {"prompt_lookup_num_tokens": 10},
+        "plain": ({}, "plain"),
+        f"dspark[{policy}]": ({"assistant_model": drafter}, "plain"),
+        "prompt_lookup": ({"prompt_lookup_num_tokens": 10}, "plain"),
+        "plain[sample]": (sample, "plain[sample]"),
+        f"dspark[{policy},sample]": ({"assistant_model": drafter, **sample}, "plain[sample]"),
     }
-    for extra in methods.values():  # warm-up (and the SPS profile the default policy may need)
-        target.generate(**prompts[0], do_sample=False, max_new_tokens=8, **extra)
-    seconds = collections.Counter()
-    tokens = collections.Counter()
-    equal = {name: True for name in methods}
-    rounds = accepted = 0
-    sources, split = collections.Counter(), collections.Counter()
+    if device.type == "cuda":
+        # The same drafter with the eager round (every kernel launched from Python), beside the default graph round.
+        eager = copy.copy(drafter)
+        eager.generation_config = copy.deepcopy(drafter.generation_config)
+        eager.generation_config.draft_round = "eager"
+        methods[f"dspark[{policy},eager round]"] = ({"assistant_model": eager}, "plain")
+        methods[f"dspark[{policy},sample,eager round]"] = ({"assistant_model": eager, **sample}, "plain[sample]")
+    if args.static_cache:
+        # What a user who cares about speed runs: a static cache, which transformers compiles the decoding forward
+        # for on CUDA. One cache object per method, reset before each call, keeps its shape (and the compiled graph)
+        # the same for every prompt. transformers' assisted decoding takes a static cache and compiles its
+        # verification forward too; its width changes from round to round.
+        capacity = max(p["input_ids"].shape[1] for p in prompts) + new_tokens + 64
+        methods["plain[static]"] = ({"past_key_values": StaticCacheFor(target, capacity)}, "plain")
+        methods[f"dspark[{policy},static]"] = (
+            {"assistant_model": drafter, "past_key_values": StaticCacheFor(target, capacity)}, "plain")
+    for extra, _ in methods.values():  # warm-up (compiles, graphs, and the SPS profile the default policy may need)
+        target.generate(**prompts[0], **{"do_sample": False, "max_new_tokens": 8, **fresh(extra)})
+    seconds, tokens = collections.Counter(), collections.Counter()
+    equal = {name: True for name, (extra, _) in methods.items() if not extra.get("do_sample")}
+    stats = collections.defaultdict(lambda: {"rounds": 0, "accepted": 0, "sources": collections.Counter(),
+                                             "split": collections.Counter()})
     for _ in range(args.repeats):
         for inputs in prompts:
             reference = None
-            for name, extra in methods.items():  # interleaved: drift hits every method alike
-                out, s = timed(lambda: target.generate(**inputs, **kwargs, **extra), device)
+            for name, (extra, _) in methods.items():  # interleaved: drift hits every method alike
+                call = {"do_sample": False, "max_new_tokens": new_tokens, **fresh(extra)}
+                out, s = timed(lambda: target.generate(**inputs, **call), device)
                 seconds[name] += s
                 tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
-                if reference is None:
-                    reference = out
-                equal[name] &= torch.equal(out, reference)
+                if name in equal:
+                    reference = out if reference is None else reference
+                    equal[name] &= torch.equal(out, reference)
                 if "assistant_model" in extra:
-                    stats = drafter.last_stats
-                    rounds += stats.rounds
-                    accepted += sum(stats.accepted)
-                    sources.update({k: row["rounds"] for k, row in stats.by_source().items()})
-                    split.update(stats.time_split())
+                    last, mine = extra["assistant_model"].last_stats, stats[name]
+                    mine["rounds"] += last.rounds
+                    mine["accepted"] += sum(last.accepted)
+                    mine["sources"].update({k: row["rounds"] for k, row in last.by_source().items()})
+                    mine["split"].update(last.time_split())
     rate = {name: tokens[name] / seconds[name] for name in methods}
     rows = []
-    for name in methods:
-        numbers = {"tok_s": round(rate[name], 1), "ratio": round(rate[name] / rate["plain"], 3),
-                   "equal_plain": equal[name]}
-        if name.startswith("dspark"):
-            numbers.update(tau=round((accepted + rounds) / rounds, 2), by_source=dict(sources),
-                           **{k: round(v, 3) for k, v in split.items()})
+    for name, (extra, baseline) in methods.items():
+        numbers = {"tok_s": round(rate[name], 1), f"vs_{baseline}": round(rate[name] / rate[baseline], 3)}
+        if name in equal:
+            numbers["equal_plain"] = equal[name]
+        if name in stats:
+            mine = stats[name]
+            numbers.update(tau=round((mine["accepted"] + mine["rounds"]) / max(mine["rounds"], 1), 2),
+                           by_source=dict(mine["sources"]), **{k: round(v, 3) for k, v in mine["split"].items()})
         if name == "plain":
             numbers.update(dtype=str(dtype).replace("torch.", ""), max_new_tokens=new_tokens, prompts=origin)
         rows.append((f"smollm2[{name}]", numbers))
     if device.type == "cuda":
         inputs = prompts[0]
-        plain_syncs, _ = count_sync_warnings(lambda: target.generate(**inputs, **kwargs))
-        dspark_syncs, sites = count_sync_warnings(lambda: target.generate(**inputs, **kwargs, assistant_model=drafter))
-        stats_rounds = drafter.last_stats.rounds
-        rows.append(("smollm2[sync_debug]", {"dspark_syncs": dspark_syncs, "rounds": stats_rounds,
-                                             "syncs_per_round": round(dspark_syncs / max(stats_rounds, 1), 2),
-                                             "plain_syncs_per_token": round(plain_syncs / new_tokens, 2),
-                                             "top_sites": sites}))
-    failures = [name for name in methods if not equal[name]]
+        greedy = {"do_sample": False, "max_new_tokens": new_tokens}
+        plain_syncs, _ = count_sync_warnings(lambda: target.generate(**inputs, **greedy))
+        for name, assistant in (("graph round", drafter), ("eager round", eager)):
+            syncs, sites = count_sync_warnings(lambda: target.generate(**inputs, **greedy, assistant_model=assistant))
+            rounds = assistant.last_stats.rounds
+            rows.append((f"smollm2[sync_debug,{name}]", {"dspark_syncs": syncs, "rounds": rounds,
+                                                        "syncs_per_round": round(syncs / max(rounds, 1), 2),
+                                                        "plain_syncs_per_token": round(plain_syncs / new_tokens, 2),
+                                                        "top_sites": sites}))
+    failures = [name for name, same in equal.items() if not same]
     if failures and dtype == torch.float32:
         raise AssertionError(f"float32 outputs differ from plain greedy: {failures}; rows: {rows}")
     return rows
@@ -263,7 +401,7 @@ def check_smollm2(args, device):
 def run_checks(args, device):
     checks = [("triton_scheduler", check_triton_scheduler)]
     checks += [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
-    checks += [("smollm2", check_smollm2)]
+    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2)]
     results = []
     for name, check in checks:
         started = time.perf_counter()
@@ -298,9 +436,14 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny checks only, small sizes (the CPU test)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="SmolLM2: default 128 on cuda, 32 on cpu")
     parser.add_argument("--repeats", type=int, default=2, help="SmolLM2: interleaved passes over the prompts")
+    parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="SmolLM2: also plain and DSpark with a static cache (compiled by transformers on CUDA); "
+                             "default on for CUDA")
     parser.add_argument("--output", default=None, help="JSON file ($OUT/device_check.json when $OUT is set)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.static_cache is None:
+        args.static_cache = device.type == "cuda"
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
     results = run_checks(args, device)
     print_table(results)

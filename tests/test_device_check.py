@@ -1,4 +1,5 @@
-"""scripts/device_check.py --quick runs on CPU: CUDA checks SKIP, the tiny greedy checks PASS, one table, exit 0."""
+"""scripts/device_check.py --quick runs on CPU: CUDA checks SKIP, the tiny greedy and round-cost checks PASS, one table,
+exit 0."""
 
 import json
 import os
@@ -19,6 +20,11 @@ def test_device_check_quick_on_cpu(tmp_path):
     rows = {row["check"]: row for row in json.loads(output.read_text())}
     assert rows["triton_scheduler"]["result"] == "SKIP"
     assert rows["smollm2"]["result"] == "SKIP"
+    cost = rows["round_cost"]
+    assert cost["result"] == "PASS", cost
+    for name in ("target_1tok_ms", "greedy_eager_ms", "greedy_static_ms", "sample_eager_ms", "sample_static_ms"):
+        assert cost["numbers"][name] > 0, (name, cost)
+    assert "greedy_graph_ms" not in cost["numbers"]  # CUDA only
     for policy in ("fixed", "scheduler", "hybrid"):
         row = rows[f"greedy[{policy}]"]
         assert row["result"] == "PASS" and row["device"] == "cpu", row

@@ -125,17 +125,21 @@ def setup():
     return target, drafter, torch.cat([prompt, prompt[:, :5], prompt], dim=1)  # repeated text: lookup fires in hybrid
 
 
+@pytest.mark.parametrize("draft_round", ["eager", "static"])
 @pytest.mark.parametrize("policy", sorted(BUDGETS))
-def test_host_reads_per_round_stay_within_budget(setup, policy, monkeypatch):
+def test_host_reads_per_round_stay_within_budget(setup, policy, draft_round, monkeypatch):
+    """The static round (what a CUDA graph replays) reads nothing back itself: the same budgets hold."""
     target, drafter, prompt = setup
     drafter.generation_config.verification_policy = policy
+    drafter.generation_config.draft_round = draft_round
     drafter.generation_config.sps_profile = CHEAP_VERIFY
     try:
         rounds = reads_per_round(target, drafter, prompt, monkeypatch)
     finally:
         drafter.generation_config.verification_policy = "fixed"
+        drafter.generation_config.draft_round = "auto"
         del drafter.generation_config.sps_profile
-    report = f"host reads from hf_dspark, policy {policy}:\n{describe(rounds)}"
+    report = f"host reads from hf_dspark, policy {policy}, {draft_round} round:\n{describe(rounds)}"
     print(report)
     budget = BUDGETS[policy]
     assert {s for s, _ in rounds} <= set(budget), report

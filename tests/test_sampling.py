@@ -140,6 +140,21 @@ def test_sampling_in_the_draft_vocabulary_with_warpers(setup_draft_vocab, monkey
     assert pvalue > 1e-3, f"draft-vocabulary sampling deviates from the target distribution (p={pvalue:.2e})"
 
 
+def test_static_round_sampling_matches_target_distribution(setup_draft_vocab):
+    """The static round (what a CUDA graph replays: the sequential head and the warpers over the draft vocabulary,
+    one multinomial per position) reports the q it sampled from, like the eager round."""
+    target, drafter, prompt = setup_draft_vocab
+    drafter.generation_config.draft_round = "static"
+    try:
+        exact = exact_pair_distribution(target, prompt, 0.7, 3)
+        counts, accepted_per_call = sample_pairs(target, drafter, prompt, 0.7, 3, SAMPLES, seed=13)
+    finally:
+        drafter.generation_config.draft_round = "auto"
+    assert accepted_per_call > 0.3, "drafts must be accepted often for the test to exercise verification"
+    pvalue = chi_square_pvalue(counts, exact)
+    assert pvalue > 1e-3, f"static-round sampling deviates from the target distribution (p={pvalue:.2e})"
+
+
 def test_draft_vocabulary_q_must_be_the_draft_space_one(setup_draft_vocab, monkeypatch):
     """Reporting q without the draft-space warpers and head (the backbone's draft-vocabulary logits) must fail the
     same test: the draft-vocabulary configuration does not weaken it."""

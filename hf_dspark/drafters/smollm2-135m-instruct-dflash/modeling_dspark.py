@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -588,9 +589,18 @@ class DSparkDrafter(DSparkPreTrainedModel):
         temperatures = self.config.confidence_temperatures
         if temperatures is not None:
             g = confidence_logits.shape[-1]
-            t = torch.tensor(temperatures[:g], dtype=confidence_logits.dtype, device=confidence_logits.device)
-            confidence_logits = confidence_logits / t
+            confidence_logits = confidence_logits / self._temperature_tensor(
+                tuple(temperatures[:g]), confidence_logits.dtype, confidence_logits.device)
         return torch.sigmoid(confidence_logits.float())
+
+    def _temperature_tensor(self, temperatures: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # The STS temperatures on the device, made once per (values, dtype, device): a host-to-device copy per round
+        # would be a transfer on every draft, and one a CUDA graph cannot capture.
+        key = (temperatures, dtype, device)
+        cached = self.__dict__.get("_temperature_cache")
+        if cached is None or cached[0] != key:
+            self.__dict__["_temperature_cache"] = cached = (key, torch.tensor(temperatures, dtype=dtype, device=device))
+        return cached[1]
 
     # ----------------------------------------------------------------------------------------------------------
     # Low-level drafting API
@@ -655,6 +665,38 @@ class DSparkDrafter(DSparkPreTrainedModel):
             do_sample=do_sample,
             generator=generator,
         )
+
+    def static_round_obstacle(self, processors: LogitsProcessorList | None) -> str | None:
+        """Why drafting with ``processors`` cannot use a static round (None: it can); see ``static_round_obstacle``."""
+        return static_round_obstacle(self, processors)
+
+    def static_round(self, capacity: int, *, processors: LogitsProcessorList | None = None, do_sample: bool = False,
+                     graph: bool = False, fallback: bool = False) -> "DSparkStaticRound":
+        """A ``DSparkStaticRound`` (reset, ready for a new sequence) for contexts up to ``capacity`` positions.
+
+        The last one built is kept and reused while its key matches: the capacity, the sampling mode, the
+        processors' settings (a CUDA graph bakes them in), and the identity of every tensor the round reads or
+        derives a cached copy from. A CUDA graph is then captured once, not per ``generate()`` call."""
+        obstacle = static_round_obstacle(self, processors)
+        if obstacle is not None:
+            raise ValueError(f"a static drafting round cannot apply {obstacle}; use draft_round='eager'")
+        embed, lm_head = self._require_shared()
+        tensors = [*self.parameters(), *self.buffers(), embed.weight, lm_head.weight]
+        key = (
+            capacity, graph, fallback, do_sample,
+            repr([(type(p).__name__, sorted(vars(p).items())) for p in processors or []]),
+            tuple((t.data_ptr(), t.dtype, t.device) for t in tensors),
+            lm_head.weight._version, None if self.draft_vocab is None else self.draft_vocab._version,
+            None if self.config.confidence_temperatures is None else tuple(self.config.confidence_temperatures),
+        )
+        cached = self.__dict__.get("_static_round")
+        if cached is None or cached[0] != key:
+            self.__dict__["_static_round"] = None  # free the old buffers (and graph) before allocating new ones
+            cached = (key, DSparkStaticRound(self, capacity, processors=processors, do_sample=do_sample, graph=graph,
+                                             fallback=fallback))
+            self.__dict__["_static_round"] = cached
+        cached[1].reset()
+        return cached[1]
 
     @torch.no_grad()
     def sample_block(
@@ -743,6 +785,202 @@ class DSparkDrafter(DSparkPreTrainedModel):
         self.generation_config.save_pretrained(save_directory)
         if self.is_remote_code():
             _write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
+
+
+def static_round_obstacle(drafter: "DSparkDrafter", processors: LogitsProcessorList | None) -> str | None:
+    """Why a drafting round cannot run as a ``DSparkStaticRound`` with these logits processors (None: it can).
+
+    The static round feeds the sequential head its own previous draft and gives processors no token history, so
+    it takes only value-only warpers (temperature, top-k/p, ...); a processor that reads token ids (repetition
+    penalty, bad words, ...) needs the eager round's growing sequence."""
+    readers = [type(p).__name__ for p in processors or [] if type(p) not in VALUE_ONLY_WARPERS]
+    if readers:
+        return f"logits processors that read token ids ({', '.join(readers)})"
+    return None
+
+
+class DSparkStaticRound:
+    """Drafting rounds of one sequence over fixed-shape buffers: the form a CUDA graph captures and replays.
+
+    The context keys/values live in preallocated ``[1, kv_heads, capacity, head_dim]`` buffers per layer, appended
+    in place. A round's varying inputs (the anchor, a window of ``block_size + 1`` rows of new context features,
+    where that window starts and how many of its rows are real) are copied into static tensors; the round reads
+    only those, writes the window's keys/values at its positions, attends over the whole buffer with the positions
+    at or past the anchor masked out, and samples the block with the sequential head. Every round therefore runs
+    the same kernels on the same addresses, with no host synchronisation: on CUDA (``graph=True``) the round is
+    captured once and each draft is one graph replay instead of hundreds of kernel launches from Python.
+
+    Rows past the real ones in the window are written too (positions at or past the anchor, masked, and
+    overwritten by the next round's window), so a round's shapes never depend on how many tokens were accepted.
+    More new positions than the window holds (the prompt, or features kept back by rounds that did not draft)
+    are appended eagerly first.
+    """
+
+    def __init__(self, drafter: "DSparkDrafter", capacity: int, *, processors: LogitsProcessorList | None = None,
+                 do_sample: bool = False, graph: bool = False, fallback: bool = False):
+        obstacle = static_round_obstacle(drafter, processors)
+        if obstacle is not None:
+            raise ValueError(f"a static drafting round cannot apply {obstacle}; use draft_round='eager'")
+        config = drafter.config
+        weight = drafter.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if graph and self.device.type != "cuda":
+            raise ValueError(f"draft_round='graph' captures a CUDA graph; the drafter is on {self.device}")
+        self.drafter = drafter
+        self.block_size = g = config.block_size
+        self.window = g + 1  # a block round verifies at most g drafts and adds the target's own token
+        if capacity < self.window:
+            raise ValueError(f"capacity {capacity} is smaller than one round's window ({self.window})")
+        self.capacity = capacity
+        self.processors = LogitsProcessorList(processors or [])
+        self.do_sample = do_sample
+        self.graph = graph
+        self.fallback = fallback  # a failed capture warns and drafts eagerly instead of raising
+        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
+        taps = len(config.target_layer_ids) * config.target_hidden_size
+        self.features = torch.zeros(1, self.window, taps, dtype=self.dtype, device=self.device)
+        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the window's first position
+        self.valid = torch.zeros((), dtype=torch.long, device=self.device)  # its real rows; the anchor follows them
+        self.anchor = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.masks = torch.full((1, g - 1), config.mask_token_id, dtype=torch.long, device=self.device)
+        self.history = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # value-only processors ignore it
+        self.length = 0  # context positions in the buffers (host-side: the caller knows every count)
+        self._graph = None
+        self._outputs: tuple[torch.Tensor, ...] | None = None
+
+    def reset(self) -> None:
+        """Start a new sequence (the buffers are reused; stale rows sit past the length, masked)."""
+        self.length = 0
+
+    # The round ----------------------------------------------------------------------------------------------------
+    def _round(self) -> tuple[torch.Tensor, ...]:
+        drafter, g = self.drafter, self.block_size
+        window_positions = (self.start + torch.arange(self.window, device=self.device)).unsqueeze(0)
+        anchor_position = self.start + self.valid
+        block_positions = (anchor_position + torch.arange(g, device=self.device)).unsqueeze(0)
+        context = drafter.project_context(self.features)
+        context_rope = drafter.rotary_emb(context, window_positions)
+        block_ids = torch.cat([self.anchor.view(1, 1), self.masks], dim=1)
+        hidden = drafter._require_shared()[0](block_ids).to(self.dtype)
+        block_rope = drafter.rotary_emb(hidden, block_positions)
+        visible = torch.arange(self.capacity, device=self.device) < anchor_position
+        mask = torch.cat([visible.expand(g, -1), visible.new_ones(g, g)], dim=-1).view(1, 1, g, -1)
+        for layer, keys, values in zip(drafter.layers, self.keys, self.values):
+            new_keys, new_values = layer.self_attn.key_values(context, *context_rope)
+            keys.index_copy_(2, window_positions[0], new_keys)
+            values.index_copy_(2, window_positions[0], new_values)
+            hidden = layer(hidden, block_rope, (keys, values), mask)
+        hidden = drafter.norm(hidden)
+        base_logits = drafter.output_logits(hidden)
+        base = base_logits.float()
+        head = drafter.markov_head
+        state = None if head is None else head.initial_state(hidden)
+        previous, steps, tokens = self.anchor, [], []
+        for k in range(g):
+            scores = base[:, k]
+            if head is not None:
+                bias, state = head.step(previous, hidden[:, k], state)
+                scores = scores + bias.to(scores.dtype)
+            if self.processors:
+                scores = self.processors(self.history, scores)
+            steps.append(scores)
+            if self.do_sample:
+                index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+            else:
+                index = scores.argmax(dim=-1, keepdim=True)
+            token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
+            tokens.append(token)
+            previous = token.view(1)
+        draft_ids = torch.cat(tokens, dim=1)
+        prev_ids = torch.cat([self.anchor.view(1, 1), draft_ids[:, :-1]], dim=1)
+        confidence_logits = drafter.confidence_logits(hidden, prev_ids)
+        outputs = [base_logits, draft_ids, torch.stack(steps, dim=1), hidden]
+        if confidence_logits is not None:
+            outputs += [confidence_logits, drafter.confidences(confidence_logits)]
+        return tuple(outputs)
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (lazy initialisation, cached draft-head rows and temperatures), then capture. The
+        # warm-up rounds rewrite the window's rows with the same values the first replay writes.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._round()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._outputs = self._round()
+        # The graph reads the drafter's cached draft-head rows and temperatures by address: keep them alive.
+        self._kept = (self.drafter.__dict__.get("_draft_head_cache"), self.drafter.__dict__.get("_temperature_cache"))
+
+    def _replay(self) -> tuple[torch.Tensor, ...]:
+        if self._graph is None:
+            try:
+                self._capture()
+            except Exception as error:
+                if not self.fallback:
+                    raise
+                warnings.warn(f"capturing the drafting round as a CUDA graph failed ({type(error).__name__}: {error}); "
+                              "this drafter drafts with the static round run eagerly", RuntimeWarning, stacklevel=4)
+                self._graph, self.graph = None, False
+                return self._round()
+        self._graph.replay()
+        return tuple(t.clone() for t in self._outputs)  # the next replay overwrites the graph's outputs
+
+    # Appending and drafting ------------------------------------------------------------------------------------------
+    def extend(self, target_hidden: torch.Tensor) -> None:
+        """Append the keys/values of ``target_hidden`` [1, n, taps * D] at positions ``length ..`` (eagerly)."""
+        n = target_hidden.shape[1]
+        if self.length + n > self.capacity:
+            raise ValueError(f"the drafter context would hold {self.length + n} positions; capacity is {self.capacity}")
+        positions = _positions(self.length, n, target_hidden)
+        context = self.drafter.project_context(target_hidden)
+        rope = self.drafter.rotary_emb(context, positions)
+        for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
+            new_keys, new_values = layer.self_attn.key_values(context, *rope)
+            keys[:, :, self.length:self.length + n] = new_keys
+            values[:, :, self.length:self.length + n] = new_values
+        self.length += n
+
+    @torch.no_grad()
+    def draft(self, anchor_ids: torch.LongTensor, anchor_position: int, target_hidden: torch.Tensor) -> DSparkDraft:
+        """One round: append ``target_hidden`` [1, n, taps * D] (the features of every position the context lacks,
+        so that it covers ``0 .. anchor_position - 1``) and draft a block from ``anchor_ids`` [1]."""
+        n = target_hidden.shape[1]
+        if anchor_ids.numel() != 1 or target_hidden.shape[0] != 1:
+            raise ValueError("a static drafting round drafts for one sequence")
+        if self.length + n != anchor_position:
+            raise ValueError(
+                f"the drafter context would cover positions 0..{self.length + n - 1} but the anchor is at "
+                f"{anchor_position}: pass the features of every position the context lacks"
+            )
+        if anchor_position - min(n, self.window) + self.window > self.capacity:
+            raise ValueError(f"anchor position {anchor_position} is past this round's capacity ({self.capacity})")
+        if n > self.window:
+            self.extend(target_hidden[:, : n - self.window])
+            target_hidden, n = target_hidden[:, n - self.window:], self.window
+        self.features[:, :n].copy_(target_hidden)
+        self.start.fill_(self.length)
+        self.valid.fill_(n)
+        self.anchor.copy_(anchor_ids.reshape(1))
+        if not self.graph:
+            outputs = self._round()
+        else:
+            outputs = self._replay()
+        self.length += n
+        base_logits, draft_ids, sampled, hidden, *confidence = outputs
+        return DSparkDraft(
+            base_logits=base_logits,
+            draft_ids=draft_ids,
+            sampled_logits=sampled,
+            hidden_states=hidden,
+            confidence_logits=confidence[0] if confidence else None,
+            confidences=confidence[1] if confidence else None,
+            to_full_vocab=self.drafter.to_full_vocab if self.drafter.draft_vocab is not None else None,
+        )
 
 
 def check_target_compatibility(config: DSparkConfig, target_config) -> None:
@@ -857,6 +1095,8 @@ __all__ = [
     "DSparkDrafter",
     "DSparkOutput",
     "DSparkPreTrainedModel",
+    "DSparkStaticRound",
     "SequentialHeadLogitsProcessor",
     "check_target_compatibility",
+    "static_round_obstacle",
 ]
