@@ -30,6 +30,10 @@ class UsageError(Exception):
 
 # arguments naming a model folder or Hub repo id
 MODEL_ARGUMENTS = ("target", "drafter", "init_drafter", "ablation")
+# generation.DRAFT_ROUNDS, spelled out so that building the parser does not import transformers (a test keeps them equal)
+DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
+DRAFT_ROUND_HELP = ("how a drafting round runs: auto (default: a CUDA graph on CUDA where the round allows it, else "
+                    "eager) | eager | static (the graph's fixed-shape round run eagerly) | graph")
 
 
 def _looks_like_path(value: str) -> bool:
@@ -148,6 +152,8 @@ def cmd_generate(args) -> int:
     drafter.generation_config.verification_policy = policy
     if args.threshold is not None:
         drafter.generation_config.confidence_threshold = args.threshold
+    if args.draft_round is not None:
+        drafter.generation_config.draft_round = args.draft_round
     if policy in ("scheduler", "hybrid"):
         from .generation import sps_width
         from .profiling import load_or_profile, profile_path
@@ -273,6 +279,8 @@ def cmd_bench(args) -> int:
         for policy in args.policies:
             name, _, value = policy.partition("=")
             settings = {"assistant": True, "drafter": drafter, "verification_policy": name}
+            if args.draft_round is not None:
+                settings["draft_round"] = args.draft_round
             if name == "fixed" and value:
                 settings["num_verify_tokens"] = int(value)
             if name == "threshold":
@@ -679,6 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="verification policy: hybrid | fixed | threshold | scheduler | <registered> (default: hybrid "
                           "for drafters with a confidence head, else fixed)")
     gen.add_argument("--threshold", type=float, default=None, help="confidence threshold for --policy threshold")
+    gen.add_argument("--draft-round", choices=DRAFT_ROUNDS, default=None, help=DRAFT_ROUND_HELP)
     gen.add_argument("--stop", nargs="+", default=None, metavar="STRING",
                      help="stop strings: both runs end where the text first contains one (as generate(stop_strings=))")
     gen.add_argument("--seed", type=int, default=0)
@@ -785,6 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "opt-in realized gate) | hybrid (drafter block or prompt lookup, priced per round); one "
                             "method each (--prompt-lookup N adds transformers' own prompt lookup)")
     bench.add_argument("--prompt-lookup", type=int, default=0, help="also run prompt-lookup decoding with N tokens")
+    bench.add_argument("--draft-round", choices=DRAFT_ROUNDS, default=None, help=DRAFT_ROUND_HELP)
     bench.add_argument("--num-prompts", type=int, default=50, help="per prompt set")
     bench.add_argument("--max-new-tokens", type=int, default=256)
     bench.add_argument("--temperature", type=float, default=0.0)

@@ -293,3 +293,13 @@ def test_a_failed_capture_under_auto_warns_and_drafts_eagerly(target, monkeypatc
     with pytest.warns(RuntimeWarning, match="drafts with the static round run eagerly"):
         draft = lenient.draft(ids[:, 9], 9, features[:, :9])
     assert torch.equal(draft.draft_ids, reference.draft_ids) and not lenient.graph
+
+
+def test_the_cli_offers_every_draft_round():
+    from hf_dspark import cli, generation
+
+    assert cli.DRAFT_ROUNDS == generation.DRAFT_ROUNDS
+    parser = cli.build_parser()
+    assert parser.parse_args(["generate", "--draft-round", "static"]).draft_round == "static"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--draft-round", "bogus"])
