@@ -3,7 +3,8 @@
     python scripts/device_check.py [--quick] [--max-new-tokens N] [--output FILE]
 
 Run from the repo root. Checks:
-  triton_scheduler   the compiled Triton scheduler kernels against their torch twins, several (R, g), time per call
+  triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
+                     then the compiled Triton scheduler kernels against their torch twins, several (R, g), time per call
   greedy[policy]     a tiny random target on the device: plain greedy == DSpark-assisted greedy (fixed, scheduler,
                      hybrid), rounds by source, time split
   round_cost         ms per drafting round (eager, static, CUDA graph; greedy and sampling) against one target
@@ -67,6 +68,28 @@ def timed(fn, device: torch.device):
 # a. Triton scheduler kernels vs torch twins
 # ------------------------------------------------------------------------------------------------------------------
 
+def warmup_numbers(device, max_requests: int = 64, block_size: int = 7) -> dict:
+    """What an engine start pays for its kernels: the background compile of the width-schedule variants (the engine's
+    default schedule) for up to ``max_requests`` requests, and a first step's call once they are ready."""
+    from hf_dspark.kernels import schedule_lengths, warm_scheduler_kernels
+    from hf_dspark.kernels.scheduler import _variant
+    from hf_dspark.scheduling import StepsPerSecond, width_schedule
+
+    started = time.perf_counter()
+    warm = warm_scheduler_kernels(device, max_requests, block_size, kinds=("width",))
+    returned_s = time.perf_counter() - started
+    finished = warm.wait(300)
+    compiled_s = time.perf_counter() - started
+    c = torch.rand(37, block_size, device=device)
+    widths = [37 * (1 + k) for k in range(block_size + 1)]
+    padded = StepsPerSecond(widths, [100.0 / (1 + 0.3 * k) for k in range(len(widths))]).table().to(device)
+    lengths, first_s = timed(lambda: schedule_lengths(c, padded, padded=True), device)
+    assert torch.equal(lengths, width_schedule(c, padded))
+    return {"start_returns_s": round(returned_s, 4), "compiled_s": round(compiled_s, 1), "finished": finished,
+            "failed": warm.failed, "first_call_us": round(1e6 * first_s, 1),
+            "first_call_on_triton": warm.ready(_variant("width", 37, block_size))}
+
+
 def check_triton_scheduler(args, device):
     if device.type != "cuda":
         raise Skip("no CUDA device")
@@ -77,9 +100,9 @@ def check_triton_scheduler(args, device):
         raise Skip("triton is not installed")
     if os.environ.get("TRITON_INTERPRET"):
         raise Skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
+    numbers = {"warmup": warmup_numbers(device)}
     shapes = [(1, 7), (4, 8)] if args.quick else [(1, 7), (1, 16), (4, 8), (16, 8), (64, 16), (256, 16)]
     g = torch.Generator(device=device).manual_seed(0)
-    numbers = {}
     for num, block in shapes:
         c = torch.rand(num, block, generator=g, device=device)
         c[torch.rand(num, block, generator=g, device=device) < 0.15] = 0.0

@@ -49,3 +49,39 @@ def test_triton_kernel_matches_torch_twin():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().startswith("ok")
+
+
+def test_kernel_warmup_compiles_in_the_background_and_reports_failures():
+    """Until a variant is compiled, callers are told it is not ready (and take the torch twin); compiles run in one
+    background thread, once per variant; a failed compile is kept with its error and never retried."""
+    import threading
+
+    import torch
+
+    from hf_dspark.kernels import KernelWarmup, warm_scheduler_kernels
+    from hf_dspark.kernels.scheduler import WARMUP, _variant
+
+    started, release, compiled = threading.Event(), threading.Event(), []
+
+    def compile_fn(variant, device):
+        started.set()
+        assert release.wait(10)
+        if variant[0] == "width":
+            raise RuntimeError("ptxas failed")
+        compiled.append(variant)
+
+    warm = KernelWarmup(compile_fn)
+    good, bad = _variant("prefix", 5, 7), _variant("width", 33, 7)
+    assert good == ("prefix", 8, 8) and bad == ("width", 64, 8) and _variant("topk", 1, 1) == ("topk", 2, 2)
+    warm.request([good, bad], torch.device("cpu"))
+    assert started.wait(10)
+    assert not warm.ready(good)  # compiling: not ready yet
+    warm.request([good], torch.device("cpu"))  # already queued: not compiled twice
+    release.set()
+    assert warm.wait(10)
+    assert warm.ready(good) and compiled == [good]
+    assert not warm.ready(bad) and "ptxas failed" in warm.failed[bad]
+    warm.request([bad, good], torch.device("cpu"))
+    assert warm.wait(10) and compiled == [good]  # neither compiled again
+    # Off CUDA nothing is compiled
+    assert warm_scheduler_kernels("cpu", 64, 7) is WARMUP and WARMUP._worker is None

@@ -73,6 +73,7 @@ from .admission import ADMISSION_HOLD, PrefillCost, _prefill_groups, tail_filled
 from .cache import DeferredDrafterContext, RaggedBatchCache
 from .measurements import EngineMeasurements, measurement_key
 from .verification import (
+    SCHEDULE_KERNELS,
     SCHEDULES,
     _processed_probs,
     capped_confidences,
@@ -528,6 +529,13 @@ class DSparkEngine:
         self.confidence_smoothing = confidence_smoothing
         self.correction = (OnlineSurvivalCorrection(self.block_size)
                            if online_correction and self.scheduled else None)
+        if self.scheduled and self.device.type == "cuda":
+            # Compile the scheduler kernel variants this engine can launch in the background from now on: a step
+            # whose variant is not ready yet schedules with the torch twin (the same lengths) instead of waiting.
+            from ..kernels import warm_scheduler_kernels
+
+            warm_scheduler_kernels(self.device, max_concurrency or 64, self.block_size,
+                                   kinds=(SCHEDULE_KERNELS[schedule],))
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))

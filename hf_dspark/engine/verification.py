@@ -7,6 +7,8 @@ import torch
 from transformers import LogitsProcessorList
 
 SCHEDULES = ("padded", "prefix", "topk")
+# The Triton kernel variant family (``hf_dspark.kernels``) each schedule launches on CUDA.
+SCHEDULE_KERNELS = {"padded": "width", "prefix": "prefix", "topk": "topk"}
 
 
 def _processed_probs(logits: torch.Tensor, processors: LogitsProcessorList | None) -> torch.Tensor:

@@ -9,6 +9,10 @@ cumsum -> admission.
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
+
 import torch
 
 from ..scheduling import prefix_schedule, topk_schedule, width_schedule
@@ -28,7 +32,9 @@ def triton_available() -> bool:
 
 if _HAVE_TRITON:
 
-    @triton.jit
+    # The integer arguments are not specialised (Triton would compile separate variants for a value of 1 or a multiple
+    # of 16): a kernel's compiled variants are then exactly its block sizes, which warm-up can cover.
+    @triton.jit(do_not_specialize=["num_requests", "block_size", "max_batch", "capacity"])
     def _schedule_kernel(
         conf_ptr, sps_ptr, out_ptr, num_requests, block_size, max_batch, capacity,
         R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr, EARLY_STOP: tl.constexpr,
@@ -68,7 +74,7 @@ if _HAVE_TRITON:
         tl.store(out_ptr + rows, lengths.to(tl.int64), mask=rows < num_requests)
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_requests", "block_size", "layers"])
     def _width_schedule_kernel(
         conf_ptr, sps_ptr, out_ptr, num_requests, block_size, layers,
         R_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
@@ -129,18 +135,127 @@ def width_schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor) ->
     return out
 
 
+# ------------------------------------------------------------------------------------------------------------------
+# Compiling ahead of the requests
+# ------------------------------------------------------------------------------------------------------------------
+class KernelWarmup:
+    """Which kernel variants are compiled, and a background thread that compiles the others.
+
+    A variant is ``(kind, R_BLOCK, G_BLOCK)`` with kind ``"prefix"``, ``"topk"`` or ``"width"``. Compiling one takes
+    seconds; ``schedule_lengths`` (``backend="auto"``) launches a variant only once it is ready and meanwhile uses the
+    torch twin, which returns the same lengths, so no step waits on a compile. ``compile_fn(variant, device)``
+    compiles one variant (by default ``JITFunction.warmup``: compiled and cached, nothing launched).
+    """
+
+    def __init__(self, compile_fn: Callable[[tuple, torch.device], None] | None = None):
+        self.compile_fn = compile_fn or _compile_variant
+        self._ready: set[tuple] = set()
+        self._queued: set[tuple] = set()
+        self._failed: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+        self._pending: list[tuple[tuple, torch.device]] = []
+        self._worker: threading.Thread | None = None
+
+    def ready(self, variant: tuple) -> bool:
+        return variant in self._ready
+
+    @property
+    def failed(self) -> dict[tuple, str]:
+        """Variants whose compile raised, with the error (they keep the torch twin)."""
+        return dict(self._failed)
+
+    def request(self, variants, device: torch.device) -> None:
+        """Compile ``variants`` in the background (those not ready, queued or failed already)."""
+        with self._lock:
+            for variant in variants:
+                if variant not in self._ready and variant not in self._queued and variant not in self._failed:
+                    self._queued.add(variant)
+                    self._pending.append((variant, device))
+            if self._pending and (self._worker is None or not self._worker.is_alive()):
+                self._worker = threading.Thread(target=self._run, name="hf-dspark-kernel-warmup", daemon=True)
+                self._worker.start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every requested variant is compiled (or failed); False on timeout."""
+        worker = self._worker
+        if worker is not None:
+            worker.join(timeout)
+            return not worker.is_alive()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                variant, device = self._pending.pop(0)
+            try:
+                self.compile_fn(variant, device)
+            except Exception as error:  # the torch twin keeps serving this variant
+                with self._lock:
+                    self._failed[variant] = f"{type(error).__name__}: {error}"
+                    self._queued.discard(variant)
+                continue
+            with self._lock:
+                self._ready.add(variant)
+                self._queued.discard(variant)
+
+
+def _variant(kind: str, num_requests: int, block_size: int) -> tuple:
+    return (kind, max(2, _next_pow2(num_requests)), max(2, _next_pow2(block_size)))
+
+
+def _compile_variant(variant: tuple, device: torch.device) -> None:
+    kind, r_block, g_block = variant
+    with torch.cuda.device(device):
+        conf = torch.zeros(r_block, g_block, device=device)
+        table = torch.zeros(r_block * g_block + r_block + 1, device=device)
+        out = torch.zeros(r_block, dtype=torch.long, device=device)
+        if kind == "width":
+            _width_schedule_kernel.warmup(conf, table, out, r_block, g_block, g_block,
+                                          R_BLOCK=r_block, G_BLOCK=g_block, grid=(1,))
+        else:
+            _schedule_kernel.warmup(conf, table, out, r_block, g_block, table.numel() - 1, 0,
+                                    R_BLOCK=r_block, G_BLOCK=g_block, EARLY_STOP=kind == "prefix", grid=(1,))
+
+
+WARMUP = KernelWarmup()
+
+
+def warm_scheduler_kernels(device: torch.device | str, max_requests: int, block_size: int,
+                           kinds: tuple[str, ...] = ("prefix", "topk", "width")) -> KernelWarmup:
+    """Start compiling, in the background, every variant a batch of up to ``max_requests`` requests drafting
+    ``block_size`` tokens can launch (power-of-two request blocks 2 .. ``max_requests``). No-op off CUDA, without
+    Triton, or under ``TRITON_INTERPRET`` (nothing is compiled there). Returns the shared ``KernelWarmup``."""
+    device = torch.device(device)
+    if device.type != "cuda" or not _HAVE_TRITON or os.environ.get("TRITON_INTERPRET"):
+        return WARMUP
+    top = max(2, _next_pow2(max_requests))
+    blocks = [1 << k for k in range(1, top.bit_length())]
+    WARMUP.request([(kind, r, max(2, _next_pow2(block_size))) for r in blocks for kind in kinds], device)
+    return WARMUP
+
+
 def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None = None, capacity: int | None = None,
                      backend: str = "auto", padded: bool = False) -> torch.Tensor:
     """Verification lengths for R requests: Triton on CUDA (``backend="auto"``), torch elsewhere.
 
     ``capacity``: top-K admission; else Algorithm 1 over single entries, or by width layers with ``padded=True``
-    (``scheduling.width_schedule``: the cost of a padded batch).
+    (``scheduling.width_schedule``: the cost of a padded batch). Under ``"auto"`` a kernel variant that is not compiled
+    yet is queued for a background compile and this call uses the torch twin (the same lengths); ``"triton"``
+    launches the kernel whatever it costs.
     """
     if capacity is None and sps_table is None:
         raise ValueError("Algorithm 1 needs an SPS table")
     if capacity is not None and padded:
         raise ValueError("padded (width-layer) scheduling takes an SPS table, not a capacity")
-    use_triton = backend == "triton" or (backend == "auto" and _HAVE_TRITON and confidences.is_cuda)
+    use_triton = backend == "triton"
+    if backend == "auto" and _HAVE_TRITON and confidences.is_cuda:
+        kind = "width" if padded else ("topk" if capacity is not None else "prefix")
+        variant = _variant(kind, *confidences.shape)
+        use_triton = WARMUP.ready(variant) or bool(os.environ.get("TRITON_INTERPRET"))
+        if not use_triton:
+            WARMUP.request([variant], confidences.device)
     if use_triton:
         if padded:
             return width_schedule_triton(confidences, sps_table)
