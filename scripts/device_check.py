@@ -1,6 +1,7 @@
 """The checks a session with a GPU runs (under 8 minutes on an H200); on CPU the CUDA-only ones report SKIP.
 
-    python scripts/device_check.py [--quick] [--max-new-tokens N] [--output FILE]
+    python scripts/device_check.py [--quick] [--max-new-tokens N] [--repeats N] [--[no-]static-cache]
+                                   [--static-assisted] [--output FILE]
 
 Run from the repo root. Checks:
   triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
@@ -10,9 +11,11 @@ Run from the repo root. Checks:
   round_cost         ms per drafting round (eager, static, CUDA graph; greedy and sampling) against one target
                      forward of 1 and of block + 1 tokens, SmolLM2 shapes from a config; the graph round under
                      torch.cuda.set_sync_debug_mode("error")
-  smollm2            plain greedy vs the shipped drafter's default policy vs transformers' prompt lookup, interleaved,
-                     tok/s and ratios, tau, outputs equal to plain; on CUDA the host syncs of one DSpark generate()
-                     under torch.cuda.set_sync_debug_mode("warn")
+  smollm2            the shipped drafter's default policy vs plain greedy and transformers' prompt lookup, and vs
+                     plain sampling (T=0.7, top-p 0.95), interleaved: tok/s and ratios, tau, time split, greedy
+                     outputs equal to plain; on CUDA also the eager drafting round beside the graph round, plain
+                     with a static (compiled) cache, and the host syncs of one generate() per round kind under
+                     torch.cuda.set_sync_debug_mode("warn")
 Prints one table at the end and writes it as JSON to $OUT/device_check.json ($OUT set) or --output. Exit code 1 if a
 check failed (a skip is not a failure).
 """
@@ -357,13 +360,15 @@ def check_smollm2(args, device):
         eager.generation_config.draft_round = "eager"
         methods[f"dspark[{policy},eager round]"] = ({"assistant_model": eager}, "plain")
         methods[f"dspark[{policy},sample,eager round]"] = ({"assistant_model": eager, **sample}, "plain[sample]")
+    capacity = max(p["input_ids"].shape[1] for p in prompts) + new_tokens + 64
     if args.static_cache:
         # What a user who cares about speed runs: a static cache, which transformers compiles the decoding forward
         # for on CUDA. One cache object per method, reset before each call, keeps its shape (and the compiled graph)
-        # the same for every prompt. transformers' assisted decoding takes a static cache and compiles its
-        # verification forward too; its width changes from round to round.
-        capacity = max(p["input_ids"].shape[1] for p in prompts) + new_tokens + 64
+        # the same for every prompt.
         methods["plain[static]"] = ({"past_key_values": StaticCacheFor(target, capacity)}, "plain")
+    if args.static_assisted:
+        # transformers' assisted decoding takes a static cache and compiles its verification forward too; the
+        # forward's width changes from round to round, so it compiles more than once (minutes on the first run).
         methods[f"dspark[{policy},static]"] = (
             {"assistant_model": drafter, "past_key_values": StaticCacheFor(target, capacity)}, "plain")
     for extra, _ in methods.values():  # warm-up (compiles, graphs, and the SPS profile the default policy may need)
@@ -460,8 +465,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="SmolLM2: default 128 on cuda, 32 on cpu")
     parser.add_argument("--repeats", type=int, default=2, help="SmolLM2: interleaved passes over the prompts")
     parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
-                        help="SmolLM2: also plain and DSpark with a static cache (compiled by transformers on CUDA); "
+                        help="SmolLM2: also plain generate() with a static cache (compiled by transformers on CUDA); "
                              "default on for CUDA")
+    parser.add_argument("--static-assisted", action="store_true",
+                        help="SmolLM2: also DSpark with a static target cache (its compiled verification forward "
+                             "recompiles per width: minutes of compiling on CUDA)")
     parser.add_argument("--output", default=None, help="JSON file ($OUT/device_check.json when $OUT is set)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
