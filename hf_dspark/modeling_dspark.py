@@ -677,9 +677,6 @@ class DSparkDrafter(DSparkPreTrainedModel):
         The last one built is kept and reused while its key matches: the capacity, the sampling mode, the
         processors' settings (a CUDA graph bakes them in), and the identity of every tensor the round reads or
         derives a cached copy from. A CUDA graph is then captured once, not per ``generate()`` call."""
-        obstacle = static_round_obstacle(self, processors)
-        if obstacle is not None:
-            raise ValueError(f"a static drafting round cannot apply {obstacle}; use draft_round='eager'")
         embed, lm_head = self._require_shared()
         tensors = [*self.parameters(), *self.buffers(), embed.weight, lm_head.weight]
         key = (
@@ -887,7 +884,10 @@ class DSparkStaticRound:
                 scores = self.processors(self.history, scores)
             steps.append(scores)
             if self.do_sample:
-                index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+                # An exponential race: argmax of p_i / E_i with E_i ~ Exp(1) is i with probability p_i. The same
+                # draw as torch.multinomial's one-sample path, spelled out so that no check can read back to the host.
+                probs = torch.softmax(scores, dim=-1)
+                index = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
             else:
                 index = scores.argmax(dim=-1, keepdim=True)
             token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
