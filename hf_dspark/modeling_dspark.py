@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -674,9 +675,10 @@ class DSparkDrafter(DSparkPreTrainedModel):
                      graph: bool = False, fallback: bool = False) -> "DSparkStaticRound":
         """A ``DSparkStaticRound`` (reset, ready for a new sequence) for contexts up to ``capacity`` positions.
 
-        The last one built is kept and reused while its key matches: the capacity, the sampling mode, the
-        processors' settings (a CUDA graph bakes them in), and the identity of every tensor the round reads or
-        derives a cached copy from. A CUDA graph is then captured once, not per ``generate()`` call."""
+        The last one built in the calling thread is kept and reused while its key matches: the capacity, the sampling
+        mode, the processors' settings (a CUDA graph bakes them in), and the identity of every tensor the round reads
+        or derives a cached copy from. A CUDA graph is then captured once, not per ``generate()`` call, and
+        ``generate()`` calls running at the same time in different threads never share buffers."""
         embed, lm_head = self._require_shared()
         tensors = [*self.parameters(), *self.buffers(), embed.weight, lm_head.weight]
         key = (
@@ -686,12 +688,15 @@ class DSparkDrafter(DSparkPreTrainedModel):
             lm_head.weight._version, None if self.draft_vocab is None else self.draft_vocab._version,
             None if self.config.confidence_temperatures is None else tuple(self.config.confidence_temperatures),
         )
-        cached = self.__dict__.get("_static_round")
+        kept = self.__dict__.get("_static_rounds")
+        if kept is None:
+            kept = self.__dict__["_static_rounds"] = _KeptRounds()
+        thread = threading.get_ident()
+        cached = kept.get(thread)
         if cached is None or cached[0] != key:
-            self.__dict__["_static_round"] = None  # free the old buffers (and graph) before allocating new ones
-            cached = (key, DSparkStaticRound(self, capacity, processors=processors, do_sample=do_sample, graph=graph,
-                                             fallback=fallback))
-            self.__dict__["_static_round"] = cached
+            kept.pop(thread, None)  # free the old buffers (and graph) before allocating new ones
+            cached = kept[thread] = (key, DSparkStaticRound(self, capacity, processors=processors, do_sample=do_sample,
+                                                            graph=graph, fallback=fallback))
         cached[1].reset()
         return cached[1]
 
@@ -782,6 +787,17 @@ class DSparkDrafter(DSparkPreTrainedModel):
         self.generation_config.save_pretrained(save_directory)
         if self.is_remote_code():
             _write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
+
+
+class _KeptRounds(dict):
+    """A drafter's static rounds by thread id. Not copied with the drafter (a CUDA graph cannot be, and a copy's
+    weights live elsewhere): a deep copy or an unpickled drafter starts with none and builds its own."""
+
+    def __deepcopy__(self, memo):
+        return _KeptRounds()
+
+    def __reduce__(self):
+        return (_KeptRounds, ())
 
 
 def static_round_obstacle(drafter: "DSparkDrafter", processors: LogitsProcessorList | None) -> str | None:
@@ -911,7 +927,9 @@ class DSparkStaticRound:
                 self._round()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
+        # thread_local: CUDA work that other threads launch meanwhile (another generate()) neither breaks the capture
+        # nor is refused.
+        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
             self._outputs = self._round()
         # The graph reads the drafter's cached draft-head rows and temperatures by address: keep them alive.
         self._kept = (self.drafter.__dict__.get("_draft_head_cache"), self.drafter.__dict__.get("_temperature_cache"))

@@ -176,6 +176,23 @@ def test_the_drafter_reuses_its_static_round_while_nothing_changed(target):
     assert drafter.static_round(512) is not current
 
 
+def test_threads_get_their_own_round_and_copies_start_without_one(target):
+    """Concurrent generate() calls must not share context buffers (nor a graph's outputs); a copied drafter builds its
+    own round (a CUDA graph cannot be copied, and the copy's weights live elsewhere)."""
+    import threading
+
+    drafter = make_drafter(target, block_size=4)
+    mine = drafter.static_round(256)
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(drafter.static_round(256)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not mine and drafter.static_round(256) is mine
+    clone = copy.deepcopy(drafter)
+    assert not clone.__dict__["_static_rounds"]
+    assert clone.static_round(256) is not mine and clone.static_round(256).drafter is clone
+
+
 def test_static_round_errors_name_the_problem(target):
     drafter = make_drafter(target, block_size=4)
     prompt = random_prompts(1, 6, target.config.vocab_size)[0]
