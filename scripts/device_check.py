@@ -90,7 +90,7 @@ def warmup_numbers(device, max_requests: int = 64, block_size: int = 7) -> dict:
     assert torch.equal(lengths, width_schedule(c, padded))
     return {"start_returns_s": round(returned_s, 4), "compiled_s": round(compiled_s, 1), "finished": finished,
             "failed": warm.failed, "first_call_us": round(1e6 * first_s, 1),
-            "first_call_on_triton": warm.ready(_variant("width", 37, block_size))}
+            "first_call_on_triton": warm.ready(_variant("width", 37, block_size), device)}
 
 
 def check_triton_scheduler(args, device):

@@ -73,15 +73,17 @@ def test_kernel_warmup_compiles_in_the_background_and_reports_failures():
     warm = KernelWarmup(compile_fn)
     good, bad = _variant("prefix", 5, 7), _variant("width", 33, 7)
     assert good == ("prefix", 8, 8) and bad == ("width", 64, 8) and _variant("topk", 1, 1) == ("topk", 2, 2)
-    warm.request([good, bad], torch.device("cpu"))
+    device = torch.device("cpu")
+    warm.request([good, bad], device)
     assert started.wait(10)
-    assert not warm.ready(good)  # compiling: not ready yet
-    warm.request([good], torch.device("cpu"))  # already queued: not compiled twice
+    assert not warm.ready(good, device)  # compiling: not ready yet
+    warm.request([good], device)  # already queued: not compiled twice
     release.set()
     assert warm.wait(10)
-    assert warm.ready(good) and compiled == [good]
-    assert not warm.ready(bad) and "ptxas failed" in warm.failed[bad]
-    warm.request([bad, good], torch.device("cpu"))
+    assert warm.ready(good, device) and compiled == [good]
+    assert not warm.ready(good, torch.device("meta"))  # compiled per device
+    assert not warm.ready(bad, device) and "ptxas failed" in warm.failed[("cpu", bad)]
+    warm.request([bad, good], device)
     assert warm.wait(10) and compiled == [good]  # neither compiled again
     # Off CUDA nothing is compiled
     assert warm_scheduler_kernels("cpu", 64, 7) is WARMUP and WARMUP._worker is None

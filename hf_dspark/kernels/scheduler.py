@@ -141,8 +141,8 @@ def width_schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor) ->
 class KernelWarmup:
     """Which kernel variants are compiled, and a background thread that compiles the others.
 
-    A variant is ``(kind, R_BLOCK, G_BLOCK)`` with kind ``"prefix"``, ``"topk"`` or ``"width"``. Compiling one takes
-    seconds; ``schedule_lengths`` (``backend="auto"``) launches a variant only once it is ready and meanwhile uses the
+    A variant is ``(kind, R_BLOCK, G_BLOCK)`` with kind ``"prefix"``, ``"topk"`` or ``"width"``, compiled per device.
+    Compiling one takes seconds; ``schedule_lengths`` (``backend="auto"``) launches a variant only once it is ready and meanwhile uses the
     torch twin, which returns the same lengths, so no step waits on a compile. ``compile_fn(variant, device)``
     compiles one variant (by default ``JITFunction.warmup``: compiled and cached, nothing launched).
     """
@@ -156,20 +156,21 @@ class KernelWarmup:
         self._pending: list[tuple[tuple, torch.device]] = []
         self._worker: threading.Thread | None = None
 
-    def ready(self, variant: tuple) -> bool:
-        return variant in self._ready
+    def ready(self, variant: tuple, device: torch.device) -> bool:
+        return (_device_key(device), variant) in self._ready
 
     @property
     def failed(self) -> dict[tuple, str]:
-        """Variants whose compile raised, with the error (they keep the torch twin)."""
+        """``(device, variant)`` pairs whose compile raised, with the error (they keep the torch twin)."""
         return dict(self._failed)
 
     def request(self, variants, device: torch.device) -> None:
-        """Compile ``variants`` in the background (those not ready, queued or failed already)."""
+        """Compile ``variants`` on ``device`` in the background (those not ready, queued or failed already)."""
         with self._lock:
             for variant in variants:
-                if variant not in self._ready and variant not in self._queued and variant not in self._failed:
-                    self._queued.add(variant)
+                key = (_device_key(device), variant)
+                if key not in self._ready and key not in self._queued and key not in self._failed:
+                    self._queued.add(key)
                     self._pending.append((variant, device))
             if self._pending and (self._worker is None or not self._worker.is_alive()):
                 self._worker = threading.Thread(target=self._run, name="hf-dspark-kernel-warmup", daemon=True)
@@ -189,16 +190,25 @@ class KernelWarmup:
                 if not self._pending:
                     return
                 variant, device = self._pending.pop(0)
+            key = (_device_key(device), variant)
             try:
                 self.compile_fn(variant, device)
             except Exception as error:  # the torch twin keeps serving this variant
                 with self._lock:
-                    self._failed[variant] = f"{type(error).__name__}: {error}"
-                    self._queued.discard(variant)
+                    self._failed[key] = f"{type(error).__name__}: {error}"
+                    self._queued.discard(key)
                 continue
             with self._lock:
-                self._ready.add(variant)
-                self._queued.discard(variant)
+                self._ready.add(key)
+                self._queued.discard(key)
+
+
+def _device_key(device: torch.device | str) -> str:
+    """``cuda`` and ``cuda:0`` name one device (the current one): one key for both."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
 
 
 def _variant(kind: str, num_requests: int, block_size: int) -> tuple:
@@ -253,7 +263,7 @@ def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None =
     if backend == "auto" and _HAVE_TRITON and confidences.is_cuda:
         kind = "width" if padded else ("topk" if capacity is not None else "prefix")
         variant = _variant(kind, *confidences.shape)
-        use_triton = WARMUP.ready(variant) or bool(os.environ.get("TRITON_INTERPRET"))
+        use_triton = WARMUP.ready(variant, confidences.device) or bool(os.environ.get("TRITON_INTERPRET"))
         if not use_triton:
             WARMUP.request([variant], confidences.device)
     if use_triton:
