@@ -71,12 +71,20 @@ def timed(fn, device: torch.device):
 # a. Triton scheduler kernels vs torch twins
 # ------------------------------------------------------------------------------------------------------------------
 
+def padded_table(num_requests: int, block: int, device) -> torch.Tensor:
+    """A made-up SPS table over the padded batch widths R * (1 + k), for the width-schedule kernel."""
+    from hf_dspark.scheduling import StepsPerSecond
+
+    widths = [num_requests * (1 + k) for k in range(block + 1)]
+    return StepsPerSecond(widths, [100.0 / (1 + 0.3 * k) for k in range(len(widths))]).table().to(device)
+
+
 def warmup_numbers(device, max_requests: int = 64, block_size: int = 7) -> dict:
     """What an engine start pays for its kernels: the background compile of the width-schedule variants (the engine's
     default schedule) for up to ``max_requests`` requests, and a first step's call once they are ready."""
     from hf_dspark.kernels import schedule_lengths, warm_scheduler_kernels
     from hf_dspark.kernels.scheduler import _variant
-    from hf_dspark.scheduling import StepsPerSecond, width_schedule
+    from hf_dspark.scheduling import width_schedule
 
     started = time.perf_counter()
     warm = warm_scheduler_kernels(device, max_requests, block_size, kinds=("width",))
@@ -84,8 +92,7 @@ def warmup_numbers(device, max_requests: int = 64, block_size: int = 7) -> dict:
     finished = warm.wait(300)
     compiled_s = time.perf_counter() - started
     c = torch.rand(37, block_size, device=device)
-    widths = [37 * (1 + k) for k in range(block_size + 1)]
-    padded = StepsPerSecond(widths, [100.0 / (1 + 0.3 * k) for k in range(len(widths))]).table().to(device)
+    padded = padded_table(37, block_size, device)
     lengths, first_s = timed(lambda: schedule_lengths(c, padded, padded=True), device)
     assert torch.equal(lengths, width_schedule(c, padded))
     return {"start_returns_s": round(returned_s, 4), "compiled_s": round(compiled_s, 1), "finished": finished,
@@ -111,8 +118,7 @@ def check_triton_scheduler(args, device):
         c[torch.rand(num, block, generator=g, device=device) < 0.15] = 0.0
         samples = sorted({1, num + 1, num + block, num * block + num + 1})
         table = StepsPerSecond(samples, [100.0 / (1 + 0.02 * i) for i in range(len(samples))]).table().to(device)
-        widths = [num * (1 + k) for k in range(block + 1)]
-        padded = StepsPerSecond(widths, [100.0 / (1 + 0.3 * k) for k in range(len(widths))]).table().to(device)
+        padded = padded_table(num, block, device)
         _, compile_s = timed(lambda: (schedule_triton(c, table), schedule_triton(c, table, 3),
                                       width_schedule_triton(c, padded)), device)
         assert torch.equal(schedule_triton(c, table), prefix_schedule(c, table)), f"prefix R={num} g={block}"

@@ -115,7 +115,8 @@ def _launch_inputs(confidences: torch.Tensor, sps_table: torch.Tensor):
         raise ValueError(f"{num_requests} requests exceed the profiled max_batch_tokens={max_batch}")
     out = torch.zeros(num_requests, dtype=torch.long, device=conf.device)
     table = sps_table.contiguous().float().to(conf.device)
-    blocks = dict(R_BLOCK=max(2, _next_pow2(num_requests)), G_BLOCK=max(2, _next_pow2(g)))
+    _, r_block, g_block = _variant("", num_requests, g)
+    blocks = dict(R_BLOCK=r_block, G_BLOCK=g_block)
     return conf, table, out, num_requests, g, max_batch, blocks
 
 
@@ -212,6 +213,7 @@ def _device_key(device: torch.device | str) -> str:
 
 
 def _variant(kind: str, num_requests: int, block_size: int) -> tuple:
+    """``(kind, R_BLOCK, G_BLOCK)``: the compiled variant a launch for this many requests and drafts uses."""
     return (kind, max(2, _next_pow2(num_requests)), max(2, _next_pow2(block_size)))
 
 
@@ -242,7 +244,7 @@ def warm_scheduler_kernels(device: torch.device | str, max_requests: int, block_
         return WARMUP
     top = max(2, _next_pow2(max_requests))
     blocks = [1 << k for k in range(1, top.bit_length())]
-    WARMUP.request([(kind, r, max(2, _next_pow2(block_size))) for r in blocks for kind in kinds], device)
+    WARMUP.request([_variant(kind, r, block_size) for r in blocks for kind in kinds], device)
     return WARMUP
 
 

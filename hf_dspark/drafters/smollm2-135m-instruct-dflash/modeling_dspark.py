@@ -556,13 +556,19 @@ class DSparkDrafter(DSparkPreTrainedModel):
             raise ValueError("draft vocabulary ids must be distinct target token ids")
         self.draft_vocab.copy_(token_ids.to(self.draft_vocab.device))
 
+    def context_key_values(self, target_hidden: torch.Tensor,
+                           positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's keys/values [batch, kv_heads, n, head_dim] of context features [batch, n, taps * D] at
+        absolute ``positions`` [batch|1, n]."""
+        context = self.project_context(target_hidden)
+        rope = self.rotary_emb(context, positions)
+        return [layer.self_attn.key_values(context, *rope) for layer in self.layers]
+
     def extend_context(self, cache: DSparkContextCache, target_hidden: torch.Tensor, start_position: int) -> None:
         """Append the K/V of newly verified positions ``start_position ..`` to ``cache`` without drafting."""
         positions = _positions(start_position, target_hidden.shape[1], target_hidden)
-        context = self.project_context(target_hidden)
-        rope = self.rotary_emb(context, positions)
-        for layer in self.layers:
-            cache.update(layer.self_attn.layer_idx, *layer.self_attn.key_values(context, *rope))
+        for layer, key_values in zip(self.layers, self.context_key_values(target_hidden, positions)):
+            cache.update(layer.self_attn.layer_idx, *key_values)
 
     # ----------------------------------------------------------------------------------------------------------
     # Heads
@@ -873,15 +879,14 @@ class DSparkStaticRound:
         window_positions = (self.start + torch.arange(self.window, device=self.device)).unsqueeze(0)
         anchor_position = self.start + self.valid
         block_positions = (anchor_position + torch.arange(g, device=self.device)).unsqueeze(0)
-        context = drafter.project_context(self.features)
-        context_rope = drafter.rotary_emb(context, window_positions)
+        window_key_values = drafter.context_key_values(self.features, window_positions)
         block_ids = torch.cat([self.anchor.view(1, 1), self.masks], dim=1)
         hidden = drafter._require_shared()[0](block_ids).to(self.dtype)
         block_rope = drafter.rotary_emb(hidden, block_positions)
         visible = torch.arange(self.capacity, device=self.device) < anchor_position
         mask = torch.cat([visible.expand(g, -1), visible.new_ones(g, g)], dim=-1).view(1, 1, g, -1)
-        for layer, keys, values in zip(drafter.layers, self.keys, self.values):
-            new_keys, new_values = layer.self_attn.key_values(context, *context_rope)
+        for layer, keys, values, (new_keys, new_values) in zip(drafter.layers, self.keys, self.values,
+                                                                window_key_values):
             keys.index_copy_(2, window_positions[0], new_keys)
             values.index_copy_(2, window_positions[0], new_values)
             hidden = layer(hidden, block_rope, (keys, values), mask)
@@ -955,10 +960,8 @@ class DSparkStaticRound:
         if self.length + n > self.capacity:
             raise ValueError(f"the drafter context would hold {self.length + n} positions; capacity is {self.capacity}")
         positions = _positions(self.length, n, target_hidden)
-        context = self.drafter.project_context(target_hidden)
-        rope = self.drafter.rotary_emb(context, positions)
-        for layer, keys, values in zip(self.drafter.layers, self.keys, self.values):
-            new_keys, new_values = layer.self_attn.key_values(context, *rope)
+        for keys, values, (new_keys, new_values) in zip(self.keys, self.values,
+                                                        self.drafter.context_key_values(target_hidden, positions)):
             keys[:, :, self.length:self.length + n] = new_keys
             values[:, :, self.length:self.length + n] = new_values
         self.length += n
