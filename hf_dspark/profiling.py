@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from .attention import packed_attention
 from .scheduling import StepsPerSecond
 from .target import cache_root
+
+logger = logging.getLogger(__name__)
 
 
 def profile_key(model) -> dict:
@@ -174,6 +177,25 @@ class BatchedStepsPerSecond:
         return cls({int(r): StepsPerSecond.from_dict(c) for r, c in data["curves"].items()})
 
 
+# Up to this many tokens in the batch, a batched profile times every width q (see ``profiled_widths``).
+EVERY_WIDTH_TOKENS = 32
+
+
+def profiled_widths(num_requests: int, tokens_per_request: int) -> list[int]:
+    """The new tokens per row q that a batched profile times for ``num_requests`` rows of up to
+    ``tokens_per_request``: every q while the batch holds at most ``EVERY_WIDTH_TOKENS`` tokens, where a step's cost
+    moves in steps as the matmul kernels change their blocking (on one CPU SmolLM2's step costs 1.4x more at 4
+    tokens than at 3, and linear interpolation from the powers of two would price 2 rows x 5-7 tokens 11-13% too
+    cheap); past that, the powers of two and the widest, between which a padded step's cost grows close to linearly
+    in R * q (``table`` interpolates, and the engine reprices the curve from the steps it runs: ``adapt_sps``)."""
+    if num_requests < 1 or tokens_per_request < 1:
+        raise ValueError(f"a batched profile needs >= 1 row and >= 1 token per row, got {num_requests} x "
+                         f"{tokens_per_request}")
+    every = {q for q in range(1, tokens_per_request + 1) if num_requests * q <= EVERY_WIDTH_TOKENS}
+    powers = {1 << k for k in range(tokens_per_request.bit_length()) if 1 << k <= tokens_per_request}
+    return sorted(every | powers | {tokens_per_request})
+
+
 @torch.no_grad()
 def measure_batched_steps_per_second(model, num_requests: int, tokens_per_request: list[int], context_length: int = 256,
                                      repeats: int = 5, hidden_state_indices: list[int] | None = None,
@@ -184,18 +206,19 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
     Returns SPS over the total tokens B = R * q, and the raw timings (the fastest of ``repeats`` after a warm-up
     counts: noise on a shared machine only adds time, and a median of five taken while it drifts priced SmolLM2's
     8-token step at one request 1.58x a 1-token step where the engine's own steps measured 1.1-1.3x, so the
-    scheduler verified short and never timed the wide steps that would have shown it).
+    scheduler verified short and never timed the wide steps that would have shown it). Past ``time_budget_s`` no
+    further repeat starts (the warm-up and one timed round always run).
     """
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
+    started = time.perf_counter()
     ids = torch.randint(0, vocab, (num_requests, context_length), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     extra = {"output_hidden_states": list(hidden_state_indices)} if hidden_state_indices else {}
-    started = time.perf_counter()
     raw: dict[int, list[float]] = {q: [] for q in tokens_per_request}
     inputs = {}
     for q in tokens_per_request:
@@ -230,24 +253,36 @@ def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: i
                             hidden_state_indices: list[int] | None = None,
                             time_budget_s: float = 60.0) -> BatchedStepsPerSecond:
     """The cached batched SPS profile covering ``batch_sizes`` requests with up to ``tokens_per_request`` tokens each
-    (q = 1..tokens_per_request); measures only what the cache lacks, per batch size."""
+    (the widths of ``profiled_widths``); measures only what the cache lacks, per batch size, smallest first.
+
+    ``time_budget_s`` bounds the whole profile: each batch size still to measure gets an even share of what is left
+    (what a small size leaves unused goes to the larger ones), and a size past its share stops repeating after its
+    first timed round. The seconds each size took are kept in the cache file (``"seconds"``) and logged."""
     # "attention": the engine's verify forwards fold grouped query heads (hf_dspark.attention); profiles timed
-    # with transformers' per-head KV copy price wide steps too high and are not reused
-    key = {**profile_key(model), "kind": "batched", "context_length": context_length, "attention": "packed-gqa"}
+    # with transformers' per-head KV copy price wide steps too high and are not reused. "widths": which q are timed.
+    key = {**profile_key(model), "kind": "batched", "context_length": context_length, "attention": "packed-gqa",
+           "widths": f"every-to-{EVERY_WIDTH_TOKENS},pow2"}
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = (folder or cache_root() / "profiles") / f"sps-batched-{digest}.json"
     data = json.loads(path.read_text()) if path.is_file() else {"key": key, "curves": {}, "raw_seconds": {}}
-    changed = False
+    data.setdefault("seconds", {})
+    missing = []
     for size in sorted(set(int(s) for s in batch_sizes)):
         cached = data["curves"].get(str(size))
-        if cached is not None and cached["max_batch_tokens"] >= size * tokens_per_request:
-            continue
-        sps, raw = measure_batched_steps_per_second(model, size, list(range(1, tokens_per_request + 1)),
-                                                    context_length, repeats, hidden_state_indices, time_budget_s)
+        if cached is None or cached["max_batch_tokens"] < size * tokens_per_request:
+            missing.append(size)
+    started = time.perf_counter()
+    for i, size in enumerate(missing):
+        share = max(0.0, time_budget_s - (time.perf_counter() - started)) / (len(missing) - i)
+        size_started = time.perf_counter()
+        sps, raw = measure_batched_steps_per_second(model, size, profiled_widths(size, tokens_per_request),
+                                                    context_length, repeats, hidden_state_indices, share)
+        seconds = time.perf_counter() - size_started
+        logger.info("batched SPS profile: %d request(s) x q = %s in %.1f s", size, list(map(int, raw)), seconds)
         data["curves"][str(size)] = sps.to_dict()
         data["raw_seconds"][str(size)] = raw
-        changed = True
-    if changed:
+        data["seconds"][str(size)] = round(seconds, 3)
+        # Kept after every size: an interrupted profile loses at most the size it was measuring.
         data["created"] = time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

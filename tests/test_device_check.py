@@ -31,3 +31,31 @@ def test_device_check_quick_on_cpu(tmp_path):
         assert row["numbers"]["rounds"] > 0 and "drafting_s" in row["numbers"]
         assert f"greedy[{policy}]" in result.stdout
     assert rows["greedy[hybrid]"]["numbers"]["by_source"].get("lookup", 0) > 0
+    profile = rows["engine[profile]"]
+    assert profile["result"] == "PASS" and sorted(profile["numbers"]["by_size_s"], key=int) == ["1", "2", "4"]
+    for concurrency in (1, 4):
+        engine = rows[f"engine[c={concurrency}]"]
+        assert engine["result"] == "PASS" and engine["numbers"]["plain_tok_s"] > 0, engine
+        for method in ("fixed", "scheduled", "hybrid"):
+            numbers = engine["numbers"][method]
+            assert numbers["vs_plain"] > 0 and numbers["identical"] == f"{engine['numbers']['requests']}/" \
+                f"{engine['numbers']['requests']}", (method, engine)
+    assert "engine[kernels]" not in rows  # CUDA only
+
+
+def test_device_prompts_are_the_balanced_sample_of_the_eval_sets():
+    """The committed prompts are exactly what --write-prompts makes of the shared evaluation sets, and the SmolLM2
+    check's order covers every set before any set's second prompt."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import device_check
+
+    records = device_check.read_device_prompts()
+    assert len(records) == device_check.NUM_DEVICE_PROMPTS
+    if device_check.EVAL_DIR.is_dir():
+        assert records == device_check.device_prompt_records()
+    sets = sorted({r["set"] for r in records})
+    assert len(sets) >= 2
+    order = device_check.prompts_per_set(records, 2)
+    assert [j for j, _ in order] == [0] * len(sets) + [1] * len(sets)
+    assert sorted(r["set"] for _, r in order[:len(sets)]) == sets
+    assert device_check.prompts_per_set(records, 1) == order[:len(sets)]

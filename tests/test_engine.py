@@ -6,6 +6,7 @@ sampled outputs must follow the exactly enumerated target distribution per reque
 parameters per request in the same batch.
 """
 
+import json
 import math
 import statistics
 
@@ -1138,6 +1139,60 @@ def test_load_or_profile_batched_measures_once(tiny_targets, tmp_path, monkeypat
     monkeypatch.setattr(profiling, "measure_batched_steps_per_second", no_measuring)
     again = profiling.load_or_profile_batched(target, [3], 2, folder=tmp_path, context_length=8, repeats=1)
     assert list(again.curves) == [3] and again.curves[3].to_dict() == sps.curves[3].to_dict()
+    (cached,) = tmp_path.glob("sps-batched-*.json")
+    assert sorted(json.loads(cached.read_text())["seconds"]) == ["1", "3"]  # what each size took
+
+
+def test_profiled_widths_every_width_for_small_batches_then_powers_of_two():
+    from hf_dspark.profiling import EVERY_WIDTH_TOKENS, profiled_widths
+
+    assert EVERY_WIDTH_TOKENS == 32
+    assert profiled_widths(1, 8) == profiled_widths(4, 8) == list(range(1, 9))
+    assert profiled_widths(8, 8) == [1, 2, 3, 4, 8]
+    assert profiled_widths(16, 8) == profiled_widths(64, 8) == [1, 2, 4, 8]
+    assert profiled_widths(64, 6) == [1, 2, 4, 6]  # the widest always counts: it bounds the table
+    assert profiled_widths(40, 1) == [1]
+    for bad in ((0, 8), (4, 0)):
+        with pytest.raises(ValueError, match="batched profile"):
+            profiled_widths(*bad)
+
+
+def test_batched_profile_shares_one_budget_and_keeps_finished_sizes(tiny_targets, tmp_path, monkeypatch):
+    """The budget bounds the whole profile: each size gets an even share of what is left, so time a small size
+    leaves unused goes to the larger ones; a size is written to the cache as soon as it is measured, so an
+    interrupted profile keeps the sizes it finished."""
+    import time
+
+    import hf_dspark.profiling as profiling
+    from hf_dspark.scheduling import StepsPerSecond
+
+    target = tiny_targets["llama"]
+    shares, widths = {}, {}
+
+    def fake_measure(model, size, tokens, context, repeats, taps, budget):
+        shares[size], widths[size] = budget, tokens
+        if size == 2:
+            time.sleep(0.3)
+        if size == 64:
+            raise KeyboardInterrupt
+        return StepsPerSecond([size * q for q in tokens], [100.0 / q for q in tokens]), {str(q): [0.01] for q in tokens}
+
+    monkeypatch.setattr(profiling, "measure_batched_steps_per_second", fake_measure)
+    with pytest.raises(KeyboardInterrupt):
+        profiling.load_or_profile_batched(target, [64, 1, 2, 16], 8, folder=tmp_path, time_budget_s=4.0)
+    assert list(shares) == [1, 2, 16, 64]  # smallest first
+    assert shares[1] == pytest.approx(1.0, abs=0.05) and shares[2] == pytest.approx(4 / 3, abs=0.05)
+    assert shares[16] == pytest.approx((4.0 - 0.3) / 2, abs=0.1)  # what sizes 1 and 2 left unused passed on
+    assert widths[1] == list(range(1, 9)) and widths[16] == [1, 2, 4, 8]
+    (cached,) = tmp_path.glob("sps-batched-*.json")
+    assert sorted(json.loads(cached.read_text())["curves"], key=int) == ["1", "2", "16"]
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a finished size was measured again")
+
+    monkeypatch.setattr(profiling, "measure_batched_steps_per_second", no_measuring)
+    kept = profiling.load_or_profile_batched(target, [1, 2, 16], 8, folder=tmp_path)
+    assert sorted(kept.curves) == [1, 2, 16]
 
 
 def test_batched_profile_prices_each_width_by_its_fastest_repeat(tiny_targets, monkeypatch):

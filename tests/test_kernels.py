@@ -87,3 +87,29 @@ def test_kernel_warmup_compiles_in_the_background_and_reports_failures():
     assert warm.wait(10) and compiled == [good]  # neither compiled again
     # Off CUDA nothing is compiled
     assert warm_scheduler_kernels("cpu", 64, 7) is WARMUP and WARMUP._worker is None
+
+
+def test_schedule_lengths_counts_the_calls_the_twin_serves_while_a_kernel_compiles(monkeypatch):
+    """Under ``backend="auto"`` a CUDA call whose variant is not compiled yet is served by the torch twin (the same
+    lengths, no wait), queues the compile and is counted as a twin call: the device check reads the counts."""
+    import torch
+
+    import hf_dspark.kernels.scheduler as scheduler
+    from hf_dspark.scheduling import StepsPerSecond, width_schedule
+
+    class OnCuda(torch.Tensor):  # a CPU tensor that routes like a CUDA one
+        @property
+        def is_cuda(self):
+            return True
+
+    queued = []
+    warm = scheduler.KernelWarmup(lambda variant, device: queued.append(variant))
+    monkeypatch.setattr(scheduler, "WARMUP", warm)
+    monkeypatch.setattr(scheduler, "_HAVE_TRITON", True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    confidences = torch.rand(3, 7, generator=torch.Generator().manual_seed(0))
+    table = StepsPerSecond([3 * (1 + k) for k in range(8)], [100.0 / (1 + 0.3 * k) for k in range(8)]).table()
+    lengths = scheduler.schedule_lengths(confidences.as_subclass(OnCuda), table, padded=True)
+    assert torch.equal(lengths.as_subclass(torch.Tensor), width_schedule(confidences, table))
+    assert warm.calls == {"twin": 1, "kernel": 0}
+    assert warm.wait(10) and queued == [scheduler._variant("width", 3, 7)]

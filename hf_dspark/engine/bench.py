@@ -444,8 +444,10 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
         top = max(concurrencies)
         sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | set(concurrencies))
         log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
+        started = time.perf_counter()
         sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,
                                       hidden_state_indices=drafter.target_hidden_states_indices())
+        log(f"batched SPS(B) ready after {time.perf_counter() - started:.1f} s")
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}

@@ -156,6 +156,9 @@ class KernelWarmup:
         self._lock = threading.Lock()
         self._pending: list[tuple[tuple, torch.device]] = []
         self._worker: threading.Thread | None = None
+        # ``schedule_lengths(backend="auto")`` calls on CUDA, by what served them: the torch twin while the variant
+        # compiled ("twin") or the compiled kernel ("kernel")
+        self.calls = {"twin": 0, "kernel": 0}
 
     def ready(self, variant: tuple, device: torch.device) -> bool:
         return (_device_key(device), variant) in self._ready
@@ -266,6 +269,7 @@ def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None =
         kind = "width" if padded else ("topk" if capacity is not None else "prefix")
         variant = _variant(kind, *confidences.shape)
         use_triton = WARMUP.ready(variant, confidences.device) or bool(os.environ.get("TRITON_INTERPRET"))
+        WARMUP.calls["kernel" if use_triton else "twin"] += 1
         if not use_triton:
             WARMUP.request([variant], confidences.device)
     if use_triton:
