@@ -466,7 +466,7 @@ def check_smollm2(args, device):
             numbers[f"vs_{baseline}"] = round(ratio(name, baseline), 3)
             numbers[f"vs_{baseline}_by_set"] = {s: round(r, 3) for s, r in by_set.items()}
             numbers[f"vs_{baseline}_geomean"] = round(statistics.geometric_mean(by_set.values()), 3)
-            summary[name] = (numbers[f"vs_{baseline}_geomean"], min(by_set.values()))
+            summary[name] = (numbers[f"vs_{baseline}_geomean"], round(min(by_set.values()), 3))
         if name in equal:
             numbers["equal_plain"] = equal[name]
         if name in stats:
