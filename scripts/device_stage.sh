@@ -19,7 +19,7 @@ TRIM=${TRIM:-$(cd .. && pwd)/device-trim-$(basename "$PWD")}
 DRAFTER=${DRAFTER:-hf_dspark/drafters/smollm2-135m-instruct-dspark}
 LIMIT=$((64 * 1048576))
 # Tree files kept for the run: the package's code (no weights), the scripts and the tests.
-KEEP='^(hf_dspark/.*|scripts/.*|tests/.*|pyproject\.toml)$'
+KEEP='^(hf_dspark/.*|scripts/.*|tests/.*|pyproject\.toml|\.gitignore)$'
 DROP='\.safetensors$'
 
 tree_files() {  # what a call sends besides its carry: tracked files and untracked files git does not ignore
@@ -31,7 +31,7 @@ sizes() {
   tree=$(tree_files | tr '\n' '\0' | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)
   status=0
   for d in .device1 .device3 .device2; do
-    [ -d "$d" ] || { echo "$d is missing: run 'scripts/device_stage.sh build' first"; exit 2; }
+    [ -d "$d" ] || { echo "$d is missing: run 'scripts/device_stage.sh build' first"; return 2; }
     s=$(du -sb "$d" | cut -f1)
     total=$((s + tree))
     verdict=ok; [ "$total" -le "$LIMIT" ] || { verdict="OVER: trim, or lower SPLIT"; status=1; }
@@ -85,10 +85,15 @@ PYV
     sizes || true
     ;;
   trim)
+    if [ -d "$TRIM" ] && [ -n "$(find "$TRIM" -type f -print -quit)" ]; then
+      echo "$TRIM holds files from an earlier trim: 'scripts/device_stage.sh restore' first"; exit 2
+    fi
     mkdir -p "$TRIM"
-    tree_files | grep -Ev "$KEEP" | while IFS= read -r f; do mkdir -p "$TRIM/$(dirname "$f")"; mv "$f" "$TRIM/$f"; done
-    tree_files | grep -E "$DROP" | while IFS= read -r f; do mkdir -p "$TRIM/$(dirname "$f")"; mv "$f" "$TRIM/$f"; done
-    echo "moved $(find "$TRIM" -type f | wc -l) files to $TRIM ('scripts/device_stage.sh restore' puts them back)"
+    # One listing, taken before anything moves (.gitignore stays, so ignored files stay out of the calls).
+    { tree_files | grep -Ev "$KEEP"; tree_files | grep -E "$KEEP" | grep -E "$DROP"; } > "$TRIM.list" || true
+    while IFS= read -r f; do mkdir -p "$TRIM/$(dirname "$f")"; mv "$f" "$TRIM/$f"; done < "$TRIM.list"
+    echo "moved $(wc -l < "$TRIM.list") files to $TRIM ('scripts/device_stage.sh restore' puts them back)"
+    rm -f "$TRIM.list"
     sizes || true
     ;;
   restore)
@@ -97,7 +102,8 @@ PYV
         mkdir -p "$(dirname "$f")"; mv "$TRIM/$f" "$f"; done
       find "$TRIM" -depth -type d -empty -delete
     fi
-    git checkout -- .  # any tracked file still missing
+    # A tracked file still missing (a trim interrupted mid-move) comes back from git; nothing else is touched.
+    git ls-files -z --deleted | xargs -0 -r git checkout --
     git status --short | head -20
     ;;
   sizes)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Training on the GPU machine in one device session (scripts/device_train.py; its docstring has the details).
 #   here:      ./scripts/device_train.sh prepare          # .device-train/: prompts, data (xz) and drafters, ~55 MB
-#              then stage the target and packages as ../shared/docs/DEVICE.md says (calls 1 and 2, with the large
-#              tracked paths moved out: hf_dspark/drafters, data/; call 2 can run `true`)
-#   on device: call 3 at once, the large paths still out, carrying .device-train (a result folder to continue from
+#              then stage the target and packages: scripts/device_stage.sh build and trim, then the three calls
+#              that `scripts/device_stage.sh calls` prints (the third can run `true`)
+#   on device: call 4 at once, the tree still trimmed, carrying .device-train (a result folder to continue from
 #              goes inside it):
 #              bash .device2/on_device.sh env ./scripts/device_train.sh run --slice K [--from-result .device-train/R]
 #   here:      ./scripts/device_train.sh unpack DIR_WITH_PARTS runs/device-K
