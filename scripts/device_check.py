@@ -1,13 +1,12 @@
 """The checks a session with a GPU runs (under 8 minutes on an H200); on CPU the CUDA-only ones report SKIP.
 
-    python scripts/device_check.py [--quick] [--max-new-tokens N] [--prompts-per-set N] [--extra-prompts-per-set N]
-                                   [--smollm2-budget S] [--engine-tokens N] [--[no-]static-cache] [--static-assisted]
+    python scripts/device_check.py [--quick] [--checks NAME...] [--deadline S] [--max-new-tokens N]
+                                   [--prompts-per-set N] [--extra-prompts-per-set N] [--smollm2-budget S]
+                                   [--engine-tokens N] [--[no-]static-cache] [--static-assisted] [--all-shapes]
                                    [--output FILE]
     python scripts/device_check.py --write-prompts     (scripts/device_prompts.jsonl from ../shared/data/eval)
 
-Run from the repo root. Checks:
-  triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
-                     then the compiled Triton scheduler kernels against their torch twins, several (R, g), time per call
+Run from the repo root. Checks, in the order they run:
   greedy[policy]     a tiny random target on the device: plain greedy == DSpark-assisted greedy (fixed, scheduler,
                      hybrid), rounds by source, time split
   round_cost         ms per drafting round (eager, static, CUDA graph; greedy and sampling) against one target
@@ -22,9 +21,13 @@ Run from the repo root. Checks:
   engine             a first engine start's batched SPS profile (seconds, per batch size), bench-serve of plain,
                      fixed, scheduled and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
                      plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled
+  triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
+                     then the compiled Triton scheduler kernels against their torch twins at three (R, g) (six with
+                     --all-shapes), time per call
 Prints one table at the end and writes it as JSON to $OUT/device_check.json ($OUT set) or --output. Exit code 1 if a
 check failed (a skip is not a failure). The JSON is rewritten after every check, so a run stopped by a time limit
-keeps the checks that finished; --checks runs a subset.
+keeps the checks that finished; --checks runs a subset, and on CUDA no check starts after --deadline (420 s), so the
+whole run stays inside one device call.
 """
 
 from __future__ import annotations
@@ -117,7 +120,10 @@ def check_triton_scheduler(args, device):
     if os.environ.get("TRITON_INTERPRET"):
         raise Skip("TRITON_INTERPRET is set: the kernels would be interpreted, not compiled")
     numbers = {"warmup": warmup_numbers(device)}
-    shapes = [(1, 7), (4, 8)] if args.quick else [(1, 7), (1, 16), (4, 8), (16, 8), (64, 16), (256, 16)]
+    # Each new (R_BLOCK, G_BLOCK, kind) compiles for seconds: three shapes by default (every kernel matched its twin
+    # at all six on an H200), --all-shapes for the six.
+    shapes = ([(1, 7), (4, 8)] if args.quick else [(1, 7), (16, 8), (64, 16)] if not args.all_shapes
+              else [(1, 7), (1, 16), (4, 8), (16, 8), (64, 16), (256, 16)])
     g = torch.Generator(device=device).manual_seed(0)
     for num, block in shapes:
         c = torch.rand(num, block, generator=g, device=device)
@@ -386,7 +392,7 @@ def check_smollm2(args, device):
     new_tokens = args.max_new_tokens or (192 if cuda else 32)
     per_set = args.prompts_per_set or (3 if cuda else 1)
     extra_per_set = min(per_set, args.extra_prompts_per_set)
-    budget = args.smollm2_budget if args.smollm2_budget is not None else (240.0 if cuda else None)
+    budget = args.smollm2_budget if args.smollm2_budget is not None else (180.0 if cuda else None)
     order = prompts_per_set(read_device_prompts(), per_set)
     sets = sorted({record["set"] for _, record in order})
     sample = dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=None)
@@ -567,23 +573,28 @@ def check_engine(args, device):
 
 # ------------------------------------------------------------------------------------------------------------------
 
-CHECK_NAMES = ("triton_scheduler", "greedy", "round_cost", "smollm2", "engine")
+# In order of what a short GPU session needs most, the kernels' many compiles last.
+CHECK_NAMES = ("greedy", "round_cost", "smollm2", "engine", "triton_scheduler")
 
 
 def run_checks(args, device, done=lambda results: None):
-    """Run the checks ``args.checks`` names (all by default), in order; ``done(results)`` after each, so a run cut
-    off by its time limit keeps what finished."""
-    checks = [("triton_scheduler", check_triton_scheduler)]
-    checks += [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
-    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2), ("engine", check_engine)]
+    """Run the checks ``args.checks`` names (all by default), in ``CHECK_NAMES`` order; ``done(results)`` after
+    each, so a run cut off by its time limit keeps what finished. A check that would start past ``args.deadline``
+    seconds reports SKIP."""
+    checks = [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
+    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2), ("engine", check_engine),
+               ("triton_scheduler", check_triton_scheduler)]
     wanted = set(args.checks or CHECK_NAMES)
     results = []
+    run_started = time.perf_counter()
     for name, check in checks:
         if name.split("[")[0] not in wanted:
             continue
         started = time.perf_counter()
         print(f"-- {name} ...", flush=True)
         try:
+            if args.deadline is not None and started - run_started > args.deadline:
+                raise Skip(f"past the run's deadline ({args.deadline:.0f} s)")
             rows = [dict(check=row_name, result="PASS", numbers=numbers) for row_name, numbers in check(args, device)]
         except Skip as skip:
             rows = [dict(check=name, result="SKIP", numbers={"reason": str(skip)})]
@@ -619,11 +630,15 @@ def main(argv=None) -> int:
                         help="SmolLM2: of those, how many also run sampling (and on cuda the eager-round comparison)")
     parser.add_argument("--smollm2-budget", type=float, default=None,
                         help="SmolLM2: seconds after which no further prompt starts, once every set has one "
-                             "(default 240 on cuda, none on cpu)")
+                             "(default 180 on cuda, none on cpu)")
     parser.add_argument("--engine-tokens", type=int, default=None,
                         help="engine: new tokens per request (default 64 on cuda, 32 on cpu)")
     parser.add_argument("--checks", nargs="+", choices=CHECK_NAMES, default=None,
-                        help="run only these checks (default: all, in the order listed above)")
+                        help=f"run only these checks (default: all, in the order {' '.join(CHECK_NAMES)})")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which no further check starts (SKIP); default 420 on cuda, none on cpu")
+    parser.add_argument("--all-shapes", action="store_true",
+                        help="triton_scheduler: six (R, g) shapes instead of three (each compiles for seconds)")
     parser.add_argument("--write-prompts", action="store_true",
                         help=f"write {PROMPTS_FILE.relative_to(REPO)} from {EVAL_DIR} and exit")
     parser.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None,
@@ -643,6 +658,8 @@ def main(argv=None) -> int:
     if args.extra_prompts_per_set < 1:
         parser.error("--extra-prompts-per-set must be >= 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.deadline is None and device.type == "cuda":
+        args.deadline = 420.0
     if args.static_cache is None:
         args.static_cache = device.type == "cuda"
     print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")

@@ -59,3 +59,17 @@ def test_device_prompts_are_the_balanced_sample_of_the_eval_sets():
     assert [j for j, _ in order] == [0] * len(sets) + [1] * len(sets)
     assert sorted(r["set"] for _, r in order[:len(sets)]) == sets
     assert device_check.prompts_per_set(records, 1) == order[:len(sets)]
+
+
+def test_device_check_deadline_and_subset(tmp_path):
+    """--checks runs only the named checks; a check that would start past --deadline reports SKIP, not FAIL, and the
+    JSON lists every row."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import device_check
+
+    output = tmp_path / "subset.json"
+    assert device_check.main(["--quick", "--checks", "greedy", "round_cost", "--deadline", "0",
+                              "--output", str(output)]) == 0
+    rows = json.loads(output.read_text())
+    assert [row["check"] for row in rows] == ["greedy[fixed]", "greedy[scheduler]", "greedy[hybrid]", "round_cost"]
+    assert all(row["result"] == "SKIP" and "deadline" in row["numbers"]["reason"] for row in rows)
