@@ -287,6 +287,81 @@ def value_only(processors: LogitsProcessorList) -> bool:
     return all(type(processor) in VALUE_ONLY_WARPERS for processor in processors)
 
 
+# How many of the highest-scoring tokens ``CandidateWarpers`` warps and samples among.
+DRAFT_CANDIDATES = 256
+
+
+class CandidateWarpers:
+    """Temperature, then top-k / top-p / min-p, applied to the ``DRAFT_CANDIDATES`` highest-scoring tokens only.
+
+    The user's truncating warpers keep the most probable tokens, so a draft step needs only the top of its scores:
+    one ``topk`` and a log-normaliser over the whole vocabulary replace transformers' full sort (top-p) and the
+    full-vocabulary softmax and draw, which made a sampled round on CPU cost twice a greedy one. Each truncation sees
+    exact probabilities (the first over the whole vocabulary, later ones renormalised over what is kept, as the
+    warpers chain), so whenever the kept set lies within the candidates the result is the warpers' own distribution;
+    where it would reach past them (a nucleus wider than the candidates) it stops at them. Either way the scores
+    returned are exactly the distribution the draft is drawn from, which is all lossless verification needs.
+
+    ``build`` returns None (apply the processors as they are) unless every processor is a temperature, top-k, top-p
+    or min-p warper of exactly those types with removed tokens set to -inf, the temperatures come before the
+    truncations, and there is at least one truncation (without one, candidates would cut the distribution short).
+    """
+
+    def __init__(self, temperature: float, truncations: list[tuple[str, float, int]], candidates: int):
+        self.temperature = temperature
+        self.truncations = truncations  # (kind, value, min_tokens_to_keep), in the processors' order
+        self.candidates = candidates
+
+    @classmethod
+    def build(cls, processors, vocab_size: int) -> "CandidateWarpers | None":
+        temperature, truncations = 1.0, []
+        for processor in processors or ():
+            kind = type(processor)
+            if kind is logits_process.TemperatureLogitsWarper and not truncations:
+                temperature *= float(processor.temperature)
+                continue
+            if kind not in (logits_process.TopKLogitsWarper, logits_process.TopPLogitsWarper,
+                            logits_process.MinPLogitsWarper) or processor.filter_value != -float("inf"):
+                return None
+            if kind is logits_process.TopKLogitsWarper:
+                truncations.append(("top_k", int(processor.top_k), 1))
+            elif kind is logits_process.TopPLogitsWarper:
+                truncations.append(("top_p", float(processor.top_p), int(processor.min_tokens_to_keep)))
+            else:
+                truncations.append(("min_p", float(processor.min_p), int(processor.min_tokens_to_keep)))
+        if not truncations:
+            return None
+        candidates = min([DRAFT_CANDIDATES, vocab_size] + [int(v) for k, v, _ in truncations if k == "top_k"])
+        return cls(temperature, truncations, candidates)
+
+    def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(candidate scores [batch, K] with -inf where removed, their token indices [batch, K])`` from scores
+        [batch, V]; the candidates are sorted by score, highest first."""
+        scores = scores / self.temperature if self.temperature != 1.0 else scores
+        values, indices = scores.topk(self.candidates, dim=-1)
+        log_total = scores.logsumexp(dim=-1, keepdim=True)  # the first truncation sees the whole distribution
+        rank = torch.arange(self.candidates, device=scores.device)
+        keep = torch.ones_like(values, dtype=torch.bool)
+        for i, (kind, value, min_keep) in enumerate(self.truncations):
+            if i:  # later truncations see the distribution renormalised over what the earlier ones kept
+                kept = values.masked_fill(~keep, -float("inf"))
+                log_total = kept.logsumexp(dim=-1, keepdim=True)
+            probs = (values - log_total).exp().masked_fill(~keep, 0.0)
+            if kind == "top_k":
+                new = (rank < value).expand_as(keep)
+            elif kind == "top_p":  # a token stays while the mass ranked above it is below top_p
+                new = probs.cumsum(dim=-1) - probs < value
+            else:  # min_p: at least min_p times the most probable token's probability
+                new = probs >= value * probs[:, :1]
+            keep = keep & (new | (rank < min_keep))
+        return values.masked_fill(~keep, -float("inf")), indices
+
+    def full(self, candidate_scores: torch.Tensor, indices: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The candidates' scores scattered into [batch, V] (-inf elsewhere): the q a draft step reports."""
+        out = candidate_scores.new_full((candidate_scores.shape[0], vocab_size), -float("inf"))
+        return out.scatter(-1, indices, candidate_scores)
+
+
 class SequentialHeadLogitsProcessor(LogitsProcessor):
     """The sequential head as a transformers ``LogitsProcessor`` over one block's draft logits.
 
@@ -735,11 +810,20 @@ class DSparkDrafter(DSparkPreTrainedModel):
         # -inf outside it; with value-only warpers (temperature, top-k/p, ...) it is those warpers over the draft
         # vocabulary, still the exact q each draft was drawn from, which is all lossless verification needs.
         in_draft_space = self.draft_vocab is not None and value_only(processors)
+        candidate = CandidateWarpers.build(logits_processor, base.shape[-1]) if do_sample else None
         steps = []
         for k in range(g):
             # q_k: the exact distribution x_k is drawn from (sequential head, then every processor, over the draft
             # or the full vocabulary as chosen above, with the actually sampled prefix).
             scores = base[:, k] if head is None else head(sequence, base[:, k])
+            if candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
+                values, indices = candidate(scores)
+                steps.append(candidate.full(values, indices, scores.shape[-1]))
+                pick = torch.multinomial(torch.softmax(values, dim=-1), num_samples=1, generator=generator)
+                index = indices.gather(-1, pick)
+                token = draft_vocab[index] if in_draft_space else index
+                sequence = torch.cat([sequence, token], dim=-1)
+                continue
             if processors:
                 scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
             steps.append(scores)
@@ -853,6 +937,8 @@ class DSparkStaticRound:
         self.capacity = capacity
         self.processors = LogitsProcessorList(processors or [])
         self.do_sample = do_sample
+        draft_size = config.vocab_size if drafter.draft_vocab is None else drafter.draft_vocab.numel()
+        self.candidate = CandidateWarpers.build(self.processors, draft_size) if do_sample else None
         self.graph = graph
         self.fallback = fallback  # a failed capture warns and drafts eagerly instead of raising
         shape = (1, config.num_key_value_heads, capacity, config.head_dim)
@@ -901,6 +987,15 @@ class DSparkStaticRound:
             if head is not None:
                 bias, state = head.step(previous, hidden[:, k], state)
                 scores = scores + bias.to(scores.dtype)
+            if self.candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
+                values, indices = self.candidate(scores)
+                steps.append(self.candidate.full(values, indices, scores.shape[-1]))
+                probs = torch.softmax(values, dim=-1)  # an exponential race among the candidates (as below)
+                index = indices.gather(-1, (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True))
+                token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
+                tokens.append(token)
+                previous = token.view(1)
+                continue
             if self.processors:
                 scores = self.processors(self.history, scores)
             steps.append(scores)
