@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
+from transformers import DynamicCache, StaticCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
@@ -188,6 +189,7 @@ class _PendingRound(NamedTuple):
     draft_ids: torch.Tensor | None = None  # [1, drafted]
     source: str = "none"
     match_length: int = 0  # lookup rounds: tokens of the suffix match
+    lookup_tokens: int = 0  # lookup rounds: the verified tokens that came from the lookup (not a fixed width's pad)
 
 
 @dataclass
@@ -276,6 +278,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
         self._cuda = target.device.type == "cuda"
         self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
+        self.fixed_width: bool | None = None  # decided at the prefill round, from the target's cache
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
@@ -323,6 +326,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if input_ids.shape[0] != 1:
             raise ValueError(f"DSpark-assisted generate() runs one sequence at a time, got {input_ids.shape[0]}")
         if is_first_iteration:
+            passed = model_kwargs or {}
+            cache = passed.get("cache", passed.get("past_key_values"))  # the target's cache ("cache" in 5.x)
+            self.fixed_width = verification_width_mode(self.drafter, cache, self._cuda) == "fixed"
             return input_ids, None  # the prefill forward produces the first anchor and the context features
         started = self._stamp()
         proposal = self._propose(input_ids, model_outputs)
@@ -357,7 +363,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             confidences = None if found is None else self.policy.lookup.confidences(found[1], found[0].shape[0])
             source, length = self.policy.choose_source(confidences, max_drafts, self._draft_seconds)
             if source == "lookup":
-                return self._lookup_candidates(input_ids, target_hidden, found[0], found[1], length)
+                width = min(self.policy.max_lookup_tokens, room) if self.fixed_width else None
+                return self._lookup_candidates(input_ids, target_hidden, found[0], found[1], length, width)
         else:
             source = "block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"
         if source == "none":
@@ -384,6 +391,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         verify = int(self.policy.num_to_verify(confidences, max_drafts))
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
+        if self.fixed_width:
+            verify = max_drafts  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
         listed, raw = _stats_lists(confidences, draft.confidence_logits)
         self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.draft_ids, source="block")
         if verify == 0:
@@ -393,12 +402,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # softmax(draft_logits) is the distribution each draft token was actually sampled from (q).
         return candidates, draft.draft_logits[:, :verify]
 
-    def _lookup_candidates(self, input_ids, target_hidden, tokens: torch.LongTensor, match_length: int, verify: int):
-        """A round drafted by prompt lookup: no drafter forward (its features wait for the next block draft)."""
+    def _lookup_candidates(self, input_ids, target_hidden, tokens: torch.LongTensor, match_length: int, verify: int,
+                           width: int | None = None):
+        """A round drafted by prompt lookup: no drafter forward (its features wait for the next block draft).
+        ``width``: verify exactly that many tokens (a fixed verification width): the whole lookup draft, and past
+        its end the last token repeated (greedy verification accepts a token only where it is the target's own
+        choice; sampled, each carries a one-hot q, the distribution it was drawn from)."""
         self._defer_context(target_hidden)
+        lookup_tokens = tokens.shape[0]
+        if width is not None:
+            tokens = torch.cat([tokens[:width], tokens[-1:].expand(max(0, width - lookup_tokens))])
+            verify = width
         drafts = tokens[:verify].to(input_ids.device)
         self._pending_round = _PendingRound(tokens.shape[0], verify, draft_ids=tokens.view(1, -1), source="lookup",
-                                            match_length=match_length)
+                                            match_length=match_length, lookup_tokens=min(lookup_tokens, verify))
         candidates = torch.cat([input_ids, drafts.view(1, -1)], dim=-1)
         self._crop_at_stop(candidates, input_ids.shape[1])
         if not self.do_sample:
@@ -426,15 +443,16 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits, draft_ids, source, match_length = self._pending_round
+        drafted, verified, confidences, confidence_logits, draft_ids, source, match_length, lookup_tokens = (
+            self._pending_round)
         accepted = int(num_matches)
         self._finished_round = (source == "block", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if verdict is not None:
             self.stats.add_stamps(*self._stamps, verdict)
             self._stamps = None
-        if source == "lookup":
-            self.policy.lookup.observe(match_length, verified, accepted)
+        if source == "lookup":  # the lookup's own tokens only: a fixed width's pad says nothing about lookups
+            self.policy.lookup.observe(match_length, lookup_tokens, min(accepted, lookup_tokens))
         self.policy.observe(verified, accepted)
         self._pending_round = None
         if self.round_callback is not None:
@@ -462,6 +480,31 @@ class DSparkCandidateGenerator(CandidateGenerator):
 DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
 # Context buffers are sized in steps of this many positions, so calls of similar lengths share one round (and graph).
 CAPACITY_STEP = 256
+
+
+# ``drafter.generation_config.verification_width``:
+#   "auto"      (default) "fixed" when the target's cache is a compilable one (a transformers ``StaticCache``:
+#               passed in, or ``cache_implementation="static"``) on CUDA, where transformers compiles the verification
+#               forward once per width it sees; else "variable"
+#   "variable"  each round verifies what its policy chose
+#   "fixed"     every block round verifies the whole block and every lookup round the policy's longest lookup draft
+#               (padded past a shorter match), so the verification forward sees one width per source (and shorter
+#               ones only where max_length leaves less room); the policy still chooses between block, lookup and
+#               no draft. Greedy outputs are unchanged: a verified token is kept only where it is the target's own
+#               choice, so verifying more tokens never changes what is emitted.
+VERIFICATION_WIDTHS = ("auto", "variable", "fixed")
+
+
+def verification_width_mode(drafter, target_cache, cuda: bool) -> str:
+    """``"fixed"`` or ``"variable"`` for one call (see ``VERIFICATION_WIDTHS``)."""
+    mode = getattr(drafter.generation_config, "verification_width", None) or "auto"
+    if mode not in VERIFICATION_WIDTHS:
+        raise ValueError(f"unknown verification_width {mode!r}; expected one of {list(VERIFICATION_WIDTHS)}")
+    if mode == "auto":
+        compilable = isinstance(target_cache, StaticCache) or (
+            bool(getattr(target_cache, "is_compileable", False)) and not isinstance(target_cache, DynamicCache))
+        return "fixed" if cuda and compilable else "variable"
+    return mode
 
 
 def draft_round_mode(drafter) -> str:
@@ -750,6 +793,7 @@ __all__ = [
     "DSparkRound",
     "DSparkStats",
     "DRAFT_ROUNDS",
+    "VERIFICATION_WIDTHS",
     "draft_round_mode",
     "dspark_dispatch",
     "first_stop",
@@ -761,4 +805,5 @@ __all__ = [
     "prompt_lookup",
     "realized_gate_for",
     "validate_dspark_request",
+    "verification_width_mode",
 ]

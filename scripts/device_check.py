@@ -424,12 +424,12 @@ def check_smollm2(args, device):
         # What a user who cares about speed runs: a static cache, which transformers compiles the decoding forward
         # for on CUDA. One cache object per method, reset before each call, keeps its shape (and the compiled graph)
         # the same for every prompt.
-        methods["plain[static]"] = ({"past_key_values": StaticCacheFor(target, capacity)}, "plain", False)
+        methods["plain[static]"] = ({"cache": StaticCacheFor(target, capacity)}, "plain", False)
     if args.static_assisted:
         # transformers' assisted decoding takes a static cache and compiles its verification forward too; the
         # forward's width changes from round to round, so it compiles more than once (minutes on the first run).
         methods[f"dspark[{policy},static]"] = (
-            {"assistant_model": drafter, "past_key_values": StaticCacheFor(target, capacity)}, "plain", False)
+            {"assistant_model": drafter, "cache": StaticCacheFor(target, capacity)}, "plain", False)
     first = encoded[0][2]
     for extra, _, _ in methods.values():  # warm-up (compiles, graphs, and the SPS profile the default policy may need)
         target.generate(**first, **{"do_sample": False, "max_new_tokens": 8, **fresh(extra)})

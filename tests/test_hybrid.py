@@ -154,18 +154,28 @@ def _hybrid(drafter, monkeypatch):
     drafter.__dict__.pop("_dspark_lookup_survival", None)
 
 
-def test_hybrid_sampling_matches_target_distribution(setup, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("width", ["variable", "fixed"])
+def test_hybrid_sampling_matches_target_distribution(setup, monkeypatch, width):  # noqa: F811
+    """Also at a fixed verification width, where every round verifies as many tokens as fit (a lookup draft padded
+    with its last token, each with a one-hot q; a block whole)."""
     target, drafter, prompt = setup
     _hybrid(drafter, monkeypatch)
+    drafter.generation_config.verification_width = width
     try:
         exact = exact_pair_distribution(target, prompt, 0.7, 4)
         counts, _ = sample_pairs(target, drafter, prompt, 0.7, 4, 1500, seed=11)
         survival = next(iter(drafter._dspark_lookup_survival.values()))
         assert survival.reached.sum() > 500, "lookup rounds must be verified often for the test to have power"
+        if width == "fixed":  # each round of the last call drafted nothing or verified all the room it had
+            stats, length = drafter.last_stats, prompt.shape[1] + 1
+            for verified, accepted in zip(stats.verified, stats.accepted):
+                assert verified in (0, prompt.shape[1] + 4 - length - 1), (stats.verified, stats.sources)
+                length += accepted + 1
         pvalue = chi_square_pvalue(counts, exact)
         assert pvalue > 1e-3, f"hybrid sampling deviates from the target distribution (p={pvalue:.2e})"
     finally:
         drafter.generation_config.verification_policy = "fixed"
+        drafter.generation_config.verification_width = None
 
 
 def test_hybrid_wrong_lookup_q_is_detected(setup, monkeypatch):  # noqa: F811
