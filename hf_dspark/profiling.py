@@ -177,6 +177,13 @@ class BatchedStepsPerSecond:
         return cls({int(r): StepsPerSecond.from_dict(c) for r, c in data["curves"].items()})
 
 
+def powers_of_two_with(values) -> list[int]:
+    """The powers of two up to the largest of ``values``, and the values themselves, sorted: the batch sizes a
+    batched profile covers for a set of concurrencies (and the wide widths it times)."""
+    top = max(int(v) for v in values)
+    return sorted({1 << k for k in range(top.bit_length())} | {int(v) for v in values})
+
+
 # Up to this many tokens in the batch, a batched profile times every width q (see ``profiled_widths``).
 EVERY_WIDTH_TOKENS = 32
 
@@ -192,8 +199,7 @@ def profiled_widths(num_requests: int, tokens_per_request: int) -> list[int]:
         raise ValueError(f"a batched profile needs >= 1 row and >= 1 token per row, got {num_requests} x "
                          f"{tokens_per_request}")
     every = {q for q in range(1, tokens_per_request + 1) if num_requests * q <= EVERY_WIDTH_TOKENS}
-    powers = {1 << k for k in range(tokens_per_request.bit_length()) if 1 << k <= tokens_per_request}
-    return sorted(every | powers | {tokens_per_request})
+    return sorted(every | set(powers_of_two_with([tokens_per_request])))
 
 
 @torch.no_grad()

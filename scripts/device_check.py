@@ -563,7 +563,7 @@ def check_engine(args, device):
 
     from hf_dspark.engine.bench import bench_serve
     from hf_dspark.kernels.scheduler import WARMUP
-    from hf_dspark.profiling import load_or_profile_batched
+    from hf_dspark.profiling import load_or_profile_batched, powers_of_two_with
 
     if args.quick:
         from tests.helpers import random_prompts
@@ -582,8 +582,7 @@ def check_engine(args, device):
         counts = {1: 4, 16: 32, 64: 64}
         profile = {}
     methods = ["plain", "fixed", "scheduled", "hybrid"]
-    top = max(concurrencies)
-    sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | set(concurrencies))
+    sizes = powers_of_two_with(concurrencies)
     with tempfile.TemporaryDirectory() as folder:  # nothing cached: what a first engine start on this machine pays
         (sps, profile_s) = timed(lambda: load_or_profile_batched(
             target, sizes, drafter.config.block_size + 1, folder=Path(folder),

@@ -987,10 +987,9 @@ class DSparkEngine:
         table = self._sps_tables.get(num_requests)
         if table is None:
             if self._sps is None:
-                from ..profiling import load_or_profile_batched
+                from ..profiling import load_or_profile_batched, powers_of_two_with
 
-                top = self.max_concurrency or 64
-                sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+                sizes = powers_of_two_with([self.max_concurrency or 64])
                 self._sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
                                                     hidden_state_indices=self._taps)
             if isinstance(self._sps, StepsPerSecond):

@@ -439,10 +439,9 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=not greedy,
                             temperature=temperature if not greedy else 1.0, top_p=top_p)
     if sps is None and any(s["method"] in SCHEDULED_METHODS for s in specs.values()):
-        from ..profiling import load_or_profile_batched
+        from ..profiling import load_or_profile_batched, powers_of_two_with
 
-        top = max(concurrencies)
-        sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | set(concurrencies))
+        sizes = powers_of_two_with(concurrencies)
         log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
         started = time.perf_counter()
         sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,

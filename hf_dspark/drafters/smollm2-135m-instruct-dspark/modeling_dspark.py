@@ -287,6 +287,14 @@ def value_only(processors: LogitsProcessorList) -> bool:
     return all(type(processor) in VALUE_ONLY_WARPERS for processor in processors)
 
 
+def exponential_race(scores: torch.Tensor) -> torch.Tensor:
+    """One index per row drawn from softmax(scores) [batch, V] -> [batch, 1]: the argmax of p_i / E_i with
+    E_i ~ Exp(1) is i with probability p_i. The same draw as torch.multinomial's one-sample path, spelled out so that
+    no check can read back to the host (a captured round must not synchronise)."""
+    probs = torch.softmax(scores, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
+
+
 # How many of the highest-scoring tokens ``CandidateWarpers`` warps and samples among.
 DRAFT_CANDIDATES = 256
 
@@ -821,16 +829,14 @@ class DSparkDrafter(DSparkPreTrainedModel):
                 steps.append(candidate.full(values, indices, scores.shape[-1]))
                 pick = torch.multinomial(torch.softmax(values, dim=-1), num_samples=1, generator=generator)
                 index = indices.gather(-1, pick)
-                token = draft_vocab[index] if in_draft_space else index
-                sequence = torch.cat([sequence, token], dim=-1)
-                continue
-            if processors:
-                scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
-            steps.append(scores)
-            if do_sample:
-                index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
             else:
-                index = scores.argmax(dim=-1, keepdim=True)
+                if processors:
+                    scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
+                steps.append(scores)
+                if do_sample:
+                    index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
+                else:
+                    index = scores.argmax(dim=-1, keepdim=True)
             token = draft_vocab[index] if in_draft_space else index
             sequence = torch.cat([sequence, token], dim=-1)
         draft_logits = torch.stack(steps, dim=1)
@@ -990,22 +996,12 @@ class DSparkStaticRound:
             if self.candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
                 values, indices = self.candidate(scores)
                 steps.append(self.candidate.full(values, indices, scores.shape[-1]))
-                probs = torch.softmax(values, dim=-1)  # an exponential race among the candidates (as below)
-                index = indices.gather(-1, (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True))
-                token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
-                tokens.append(token)
-                previous = token.view(1)
-                continue
-            if self.processors:
-                scores = self.processors(self.history, scores)
-            steps.append(scores)
-            if self.do_sample:
-                # An exponential race: argmax of p_i / E_i with E_i ~ Exp(1) is i with probability p_i. The same
-                # draw as torch.multinomial's one-sample path, spelled out so that no check can read back to the host.
-                probs = torch.softmax(scores, dim=-1)
-                index = (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
+                index = indices.gather(-1, exponential_race(values))
             else:
-                index = scores.argmax(dim=-1, keepdim=True)
+                if self.processors:
+                    scores = self.processors(self.history, scores)
+                steps.append(scores)
+                index = exponential_race(scores) if self.do_sample else scores.argmax(dim=-1, keepdim=True)
             token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
             tokens.append(token)
             previous = token.view(1)
