@@ -14,6 +14,7 @@ The context is always exactly the target features of positions ``< anchor_pos``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -605,12 +606,18 @@ class DSparkDrafter(DSparkPreTrainedModel):
         logits = self.output_logits(hidden) if compute_logits else None
         return DSparkOutput(hidden_states=hidden, logits=logits)
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on drafter hidden states: [..., d] -> [..., output_vocab_size]."""
+    def output_logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's LM head on drafter hidden states: [..., d] -> [..., output_vocab_size]. ``head_rows``: the
+        draft-vocabulary rows to use (``draft_head_rows()``) instead of the drafter's shared cached copy."""
         lm_head = self._require_shared()[1]
         if self.draft_vocab is None:
             return lm_head(hidden.to(lm_head.weight.dtype))
-        return F.linear(hidden.to(lm_head.weight.dtype), self._draft_head_weight(lm_head))
+        rows = self._draft_head_weight(lm_head) if head_rows is None else head_rows
+        return F.linear(hidden.to(lm_head.weight.dtype), rows)
+
+    def draft_head_rows(self) -> torch.Tensor | None:
+        """The draft-vocabulary rows of the target's LM head (None without a draft vocabulary)."""
+        return None if self.draft_vocab is None else self._draft_head_weight(self._require_shared()[1])
 
     def _draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
         # The draft-vocabulary rows of the (frozen) target LM head, gathered once and reused while unchanged.
@@ -674,14 +681,24 @@ class DSparkDrafter(DSparkPreTrainedModel):
             prev_embedding = self.markov_head.markov_w1(prev_ids)
         return self.confidence_head(hidden, prev_embedding)
 
-    def confidences(self, confidence_logits: torch.Tensor) -> torch.Tensor:
-        """c_k = sigmoid(z_k / T_k), with the Sequential Temperature Scaling temperatures when calibrated."""
-        temperatures = self.config.confidence_temperatures
+    def confidences(self, confidence_logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+        """c_k = sigmoid(z_k / T_k), with the Sequential Temperature Scaling temperatures when calibrated.
+        ``temperatures``: the [g] tensor to divide by (``confidence_temperature_tensor``) instead of the drafter's
+        shared cached one."""
         if temperatures is not None:
-            g = confidence_logits.shape[-1]
-            confidence_logits = confidence_logits / self._temperature_tensor(
-                tuple(temperatures[:g]), confidence_logits.dtype, confidence_logits.device)
+            confidence_logits = confidence_logits / temperatures
+        elif self.config.confidence_temperatures is not None:
+            confidence_logits = confidence_logits / self.confidence_temperature_tensor(
+                confidence_logits.shape[-1], confidence_logits.dtype, confidence_logits.device)
         return torch.sigmoid(confidence_logits.float())
+
+    def confidence_temperature_tensor(self, block_size: int, dtype: torch.dtype,
+                                      device: torch.device) -> torch.Tensor | None:
+        """The first ``block_size`` STS temperatures as a tensor (None when uncalibrated)."""
+        temperatures = self.config.confidence_temperatures
+        if temperatures is None:
+            return None
+        return self._temperature_tensor(tuple(temperatures[:block_size]), dtype, device)
 
     def _temperature_tensor(self, temperatures: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # The STS temperatures on the device, made once per (values, dtype, device): a host-to-device copy per round
@@ -756,9 +773,10 @@ class DSparkDrafter(DSparkPreTrainedModel):
             generator=generator,
         )
 
-    def static_round_obstacle(self, processors: LogitsProcessorList | None) -> str | None:
-        """Why drafting with ``processors`` cannot use a static round (None: it can); see ``static_round_obstacle``."""
-        return static_round_obstacle(self, processors)
+    def static_round_obstacle(self, processors: LogitsProcessorList | None, graph: bool = False) -> str | None:
+        """Why drafting with ``processors`` cannot use a static round, or with ``graph`` a captured one (None: it
+        can); see ``static_round_obstacle``."""
+        return static_round_obstacle(self, processors, graph)
 
     def static_round(self, capacity: int, *, processors: LogitsProcessorList | None = None, do_sample: bool = False,
                      graph: bool = False, fallback: bool = False) -> "DSparkStaticRound":
@@ -896,15 +914,32 @@ class _KeptRounds(dict):
         return (_KeptRounds, ())
 
 
-def static_round_obstacle(drafter: "DSparkDrafter", processors: LogitsProcessorList | None) -> str | None:
-    """Why a drafting round cannot run as a ``DSparkStaticRound`` with these logits processors (None: it can).
+# Value-only warpers that read a value back to the host (``torch.distributions.Categorical`` validates its logits):
+# a static round runs them eagerly, a CUDA graph cannot capture them.
+HOST_READING_WARPERS = tuple(getattr(logits_process, name) for name in (
+    "EtaLogitsWarper", "TopHLogitsWarper") if hasattr(logits_process, name))
+
+
+def static_round_obstacle(drafter: "DSparkDrafter", processors: LogitsProcessorList | None,
+                          graph: bool = False) -> str | None:
+    """Why a drafting round cannot run as a ``DSparkStaticRound`` with these logits processors, or with ``graph``
+    also be captured as a CUDA graph (None: it can).
 
     The static round feeds the sequential head its own previous draft and gives processors no token history, so
     it takes only value-only warpers (temperature, top-k/p, ...); a processor that reads token ids (repetition
-    penalty, bad words, ...) needs the eager round's growing sequence."""
+    penalty, bad words, ...) needs the eager round's growing sequence. A graph also admits nothing that reads a
+    value back to the host during the round: the eta and top-h warpers, or a dynamic / LongRoPE rotary embedding
+    (it compares the largest position with its cached length on every call)."""
     readers = [type(p).__name__ for p in processors or [] if type(p) not in VALUE_ONLY_WARPERS]
     if readers:
         return f"logits processors that read token ids ({', '.join(readers)})"
+    if graph:
+        syncing = [type(p).__name__ for p in processors or [] if type(p) in HOST_READING_WARPERS]
+        if syncing:
+            return f"logits processors that read values back to the host ({', '.join(syncing)})"
+        rope_type = getattr(drafter.rotary_emb, "rope_type", "default")
+        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+            return f"a rotary embedding that resizes itself while running (rope_type {rope_type!r})"
     return None
 
 
@@ -927,9 +962,10 @@ class DSparkStaticRound:
 
     def __init__(self, drafter: "DSparkDrafter", capacity: int, *, processors: LogitsProcessorList | None = None,
                  do_sample: bool = False, graph: bool = False, fallback: bool = False):
-        obstacle = static_round_obstacle(drafter, processors)
+        obstacle = static_round_obstacle(drafter, processors, graph)
         if obstacle is not None:
-            raise ValueError(f"a static drafting round cannot apply {obstacle}; use draft_round='eager'")
+            kind = "a CUDA graph of the drafting round" if graph else "a static drafting round"
+            raise ValueError(f"{kind} cannot run {obstacle}; use draft_round='eager'")
         config = drafter.config
         weight = drafter.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -958,6 +994,11 @@ class DSparkStaticRound:
         self.masks = torch.full((1, g - 1), config.mask_token_id, dtype=torch.long, device=self.device)
         self.history = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # value-only processors ignore it
         self.length = 0  # context positions in the buffers (host-side: the caller knows every count)
+        # The round's own references to the draft-head rows and STS temperatures: a graph reads them by address, and
+        # the drafter's shared cached copies can be replaced by other calls (another block size, another thread).
+        # ``DSparkDrafter.static_round`` builds a new round whenever what they derive from changes.
+        self.head_rows = drafter.draft_head_rows()
+        self.temperatures = drafter.confidence_temperature_tensor(g, self.dtype, self.device)
         self._graph = None
         self._outputs: tuple[torch.Tensor, ...] | None = None
 
@@ -983,7 +1024,7 @@ class DSparkStaticRound:
             values.index_copy_(2, window_positions[0], new_values)
             hidden = layer(hidden, block_rope, (keys, values), mask)
         hidden = drafter.norm(hidden)
-        base_logits = drafter.output_logits(hidden)
+        base_logits = drafter.output_logits(hidden, self.head_rows)
         base = base_logits.float()
         head = drafter.markov_head
         state = None if head is None else head.initial_state(hidden)
@@ -1010,25 +1051,34 @@ class DSparkStaticRound:
         confidence_logits = drafter.confidence_logits(hidden, prev_ids)
         outputs = [base_logits, draft_ids, torch.stack(steps, dim=1), hidden]
         if confidence_logits is not None:
-            outputs += [confidence_logits, drafter.confidences(confidence_logits)]
+            outputs += [confidence_logits, drafter.confidences(confidence_logits, self.temperatures)]
         return tuple(outputs)
 
+    def _on_device(self):
+        """The round's CUDA device made current (graphs and streams belong to one device); elsewhere nothing."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
     def _capture(self) -> None:
-        # Warm up on a side stream (lazy initialisation, cached draft-head rows and temperatures), then capture. The
-        # warm-up rounds rewrite the window's rows with the same values the first replay writes.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._round()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work that other threads launch meanwhile (another generate()) neither breaks the capture
-        # nor is refused.
-        with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
-            self._outputs = self._round()
-        # The graph reads the drafter's cached draft-head rows and temperatures by address: keep them alive.
-        self._kept = (self.drafter.__dict__.get("_draft_head_cache"), self.drafter.__dict__.get("_temperature_cache"))
+        # Warm up on a side stream (lazy initialisation), then capture. The warm-up rounds rewrite the window's rows
+        # with the same values the first replay writes. Everything runs on the round's device, whichever is current.
+        with self._on_device():
+            caller = torch.cuda.current_stream()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(caller)
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._round()
+            caller.wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: CUDA work that other threads launch meanwhile (another generate()) neither breaks the
+                # capture nor is refused.
+                with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                    outputs = self._round()
+            finally:
+                # A capture that fails to end leaves torch.cuda.graph's stream current: the caller's comes back.
+                torch.cuda.set_stream(caller)
+        self._graph, self._outputs = graph, outputs  # only a finished capture is kept and replayed
 
     def _replay(self) -> tuple[torch.Tensor, ...]:
         if self._graph is None:
@@ -1039,9 +1089,10 @@ class DSparkStaticRound:
                     raise
                 warnings.warn(f"capturing the drafting round as a CUDA graph failed ({type(error).__name__}: {error}); "
                               "this drafter drafts with the static round run eagerly", RuntimeWarning, stacklevel=4)
-                self._graph, self.graph = None, False
+                self.graph = False
                 return self._round()
-        self._graph.replay()
+        with self._on_device():
+            self._graph.replay()
         return tuple(t.clone() for t in self._outputs)  # the next replay overwrites the graph's outputs
 
     # Appending and drafting ------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO
 
 
@@ -73,3 +75,24 @@ def test_device_check_deadline_and_subset(tmp_path):
     rows = json.loads(output.read_text())
     assert [row["check"] for row in rows] == ["greedy[fixed]", "greedy[scheduler]", "greedy[hybrid]", "round_cost"]
     assert all(row["result"] == "SKIP" and "deadline" in row["numbers"]["reason"] for row in rows)
+
+
+def test_divergence_gap_measures_the_targets_margin_where_outputs_part(tiny_targets):
+    """The float32 check tells a near-tie flip from a real difference by the target's logit gap at the first token
+    where the outputs part; outputs that only differ in length are never a near-tie."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    import device_check
+
+    target = tiny_targets["llama"]
+    prompt = torch.tensor([[5, 9, 13, 2, 7]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=6)
+    with torch.no_grad():
+        logits = target(plain[:, :7]).logits[0, -1].float()
+    other = plain.clone()
+    runner_up = int(logits.topk(2).indices[1])
+    other[0, 7] = runner_up
+    gap = device_check.divergence_gap(target, plain, other)
+    assert gap == pytest.approx(float(logits[plain[0, 7]] - logits[runner_up])) and gap >= 0
+    assert device_check.divergence_gap(target, plain, plain[:, :-2]) == float("inf")

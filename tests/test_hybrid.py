@@ -1,5 +1,7 @@
 """The hybrid policy: the drafter's block and prompt lookup under one cost model, lossless for greedy and sampling."""
 
+import copy
+
 import pytest
 import torch
 
@@ -234,3 +236,42 @@ def test_prompt_lookup_equals_the_rule_written_out():
             assert found is None, (ids.tolist(), max_ngram, max_tokens)
         else:
             assert found is not None and (found[0].tolist(), found[1]) == expected, (ids.tolist(), max_ngram)
+
+
+class _Event:
+    """A stand-in for a timing ``torch.cuda.Event``: recorded at ``t`` seconds, finished or not."""
+
+    def __init__(self, t: float, done: bool = True):
+        self.t, self.done = t, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return (end.t - self.t) * 1000.0  # milliseconds, as CUDA events report
+
+
+def test_drafting_time_on_cuda_comes_from_events_read_after_verification(tiny_targets, trained_drafters):
+    """On CUDA a drafter call returns before its kernels finish: the policies' drafting time is the events' time,
+    read at the next round (verification has synchronised by then), and an event not reached yet is never waited
+    for."""
+    from hf_dspark.generation import DSparkCandidateGenerator
+
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    config = copy.deepcopy(target.generation_config)
+    config.max_length = 64
+    generator = DSparkCandidateGenerator(drafter, target, config)
+    generator._cuda = True
+    generator._time_draft(_Event(1.0), _Event(1.004))
+    assert generator._draft_seconds is None  # nothing read while the round's kernels may still run
+    generator._collect_draft_time()
+    assert generator._draft_seconds == pytest.approx(0.004)
+    generator._time_draft(_Event(2.0), _Event(2.014, done=False))
+    generator._collect_draft_time()
+    assert generator._draft_seconds == pytest.approx(0.004) and generator._draft_events is None
+    generator._time_draft(_Event(3.0), _Event(3.014))
+    generator._collect_draft_time()
+    assert generator._draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.014)
+    generator._cuda = False  # CPU: host time, folded at once
+    generator._time_draft(10.0, 10.002)
+    assert generator._draft_seconds == pytest.approx(0.7 * (0.7 * 0.004 + 0.3 * 0.014) + 0.3 * 0.002)

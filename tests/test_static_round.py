@@ -176,6 +176,51 @@ def test_the_drafter_reuses_its_static_round_while_nothing_changed(target):
     assert drafter.static_round(512) is not current
 
 
+def test_a_round_keeps_its_own_head_rows_and_temperatures(target):
+    """A graph reads the draft-head rows and STS temperatures by address: the round holds its own, so other calls that
+    replace the drafter's shared cached copies (another block size, another thread) neither free nor change them."""
+    drafter = make_drafter(target, block_size=4, draft_vocab_size=40)
+    drafter.config.confidence_temperatures = [0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    ids, features = features_of(target, drafter, 12)
+    static = DSparkStaticRound(drafter, 64)
+    rows, temperatures = static.head_rows, static.temperatures
+    assert temperatures.tolist() == [0.5, 1.0, 1.5, 2.0] and rows.shape == (40, target.config.hidden_size)
+    before = static.draft(ids[:, 9], 9, features[:, :9])
+    drafter.confidences(torch.zeros(1, 7))  # another block size: the shared temperature copy is replaced
+    drafter.confidences(torch.zeros(1, 4, dtype=torch.float64))
+    assert drafter.__dict__["_temperature_cache"][1] is not temperatures
+    assert static.temperatures is temperatures and static.head_rows is rows
+    static.reset()
+    after = static.draft(ids[:, 9], 9, features[:, :9])
+    assert_same_draft(before, after)
+
+
+def test_a_graph_refuses_what_reads_values_back_to_the_host(target, monkeypatch):
+    """The eta and top-h warpers (``Categorical`` validates its logits) and a dynamic / LongRoPE rotary embedding read
+    values back to the host while a round runs: a static round runs them eagerly, a graph refuses them by name and
+    ``auto`` drafts with the eager round instead."""
+    from transformers import EtaLogitsWarper
+
+    drafter = make_drafter(target, block_size=4)
+    eta = LogitsProcessorList([TemperatureLogitsWarper(0.7), EtaLogitsWarper(0.01)])
+    assert drafter.static_round_obstacle(eta) is None
+    assert "EtaLogitsWarper" in drafter.static_round_obstacle(eta, graph=True)
+    assert drafter.static_round_obstacle(LogitsProcessorList([TopKLogitsWarper(5)]), graph=True) is None
+    ids, features = features_of(target, drafter, 12)
+    DSparkStaticRound(drafter, 64, processors=eta, do_sample=True).draft(ids[:, 9], 9, features[:, :9])
+    with pytest.raises(ValueError, match="CUDA graph of the drafting round cannot run logits processors that read "
+                                         "values back to the host"):
+        DSparkStaticRound(drafter, 64, processors=eta, do_sample=True, graph=True)
+    config = copy.deepcopy(target.generation_config)
+    config.max_length = 100
+    monkeypatch.setattr(type(drafter), "device", property(lambda self: torch.device("cuda")))
+    assert _static_round_for(drafter, config, eta, True) is None  # auto on CUDA: the eager round
+    monkeypatch.setattr(drafter.rotary_emb, "rope_type", "dynamic")
+    assert "rope_type 'dynamic'" in drafter.static_round_obstacle(LogitsProcessorList(), graph=True)
+    assert drafter.static_round_obstacle(LogitsProcessorList()) is None
+    assert _static_round_for(drafter, config, LogitsProcessorList(), False) is None
+
+
 def test_threads_get_their_own_round_and_copies_start_without_one(target):
     """Concurrent generate() calls must not share context buffers (nor a graph's outputs); a copied drafter builds its
     own round (a CUDA graph cannot be copied, and the copy's weights live elsewhere)."""

@@ -8,9 +8,10 @@ import types
 
 import pytest
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import DynamicCache, GenerationConfig, StaticCache
+from transformers.generation.configuration_utils import CompileConfig
 
-from hf_dspark.generation import VERIFICATION_WIDTHS, verification_width_mode
+from hf_dspark.generation import VERIFICATION_WIDTHS, verification_records_graphs, verification_width_mode
 from hf_dspark.scheduling import lookup_max_tokens
 from tests.helpers import random_prompts
 
@@ -59,39 +60,95 @@ def test_fixed_width_greedy_equals_plain(tiny_targets, trained_drafters, policy,
         assert "lookup" in sources
 
 
-def test_auto_width_is_fixed_only_for_a_static_cache_on_cuda(tiny_targets):
+def test_auto_width_is_fixed_only_where_the_verification_forward_records_graphs():
     drafter = types.SimpleNamespace(generation_config=types.SimpleNamespace(verification_width=None))
-    config = tiny_targets["llama"].config
-    static, dynamic = StaticCache(config=config, max_cache_len=16), DynamicCache(config=config)
     assert VERIFICATION_WIDTHS == ("auto", "variable", "fixed")
-    assert verification_width_mode(drafter, static, cuda=True) == "fixed"
-    assert verification_width_mode(drafter, static, cuda=False) == "variable"  # nothing compiles it on CPU
-    assert verification_width_mode(drafter, dynamic, cuda=True) == "variable"
-    assert verification_width_mode(drafter, None, cuda=True) == "variable"
+    assert verification_width_mode(drafter, records_graphs=True) == "fixed"
+    assert verification_width_mode(drafter, records_graphs=False) == "variable"
     drafter.generation_config.verification_width = "variable"
-    assert verification_width_mode(drafter, static, cuda=True) == "variable"
+    assert verification_width_mode(drafter, records_graphs=True) == "variable"
     drafter.generation_config.verification_width = "fixed"
-    assert verification_width_mode(drafter, None, cuda=False) == "fixed"
+    assert verification_width_mode(drafter, records_graphs=False) == "fixed"
     drafter.generation_config.verification_width = "wide"
     with pytest.raises(ValueError, match="verification_width"):
-        verification_width_mode(drafter, None, cuda=False)
+        verification_width_mode(drafter, records_graphs=False)
 
 
-def test_the_generator_sees_the_targets_cache(tiny_targets, trained_drafters, monkeypatch):
-    """``auto`` decides from the cache transformers decodes with: a StaticCache passed as ``cache=`` reaches it."""
+def _compile_config(**settings) -> CompileConfig:
+    config = CompileConfig(**settings)
+    config._compile_all_devices = True  # transformers' switch to compile on any device (its rule reads the device)
+    return config
+
+
+def test_graphs_follow_transformers_compile_rule_on_cuda(tiny_targets):
+    """CUDA graphs are recorded where transformers compiles the verification forward (its own rule: a compilable
+    cache, compile not disabled) in a mode that captures graphs, and only on CUDA."""
+    target = tiny_targets["llama"]
+    static = {"cache": StaticCache(config=target.config, max_cache_len=16)}
+    dynamic = {"cache": DynamicCache(config=target.config)}
+    on_cuda = types.SimpleNamespace(  # transformers' rule and default, read through a target that reports CUDA
+        device=torch.device("cuda"), _valid_auto_compile_criteria=target._valid_auto_compile_criteria,
+        _default_compile_config=target._default_compile_config)
+
+    def graphs(model, kwargs, **config):
+        return verification_records_graphs(model, kwargs, GenerationConfig(**config))
+
+    everywhere = _compile_config()  # transformers' default mode, "reduce-overhead"
+    assert graphs(on_cuda, static, compile_config=everywhere)
+    assert not graphs(on_cuda, dynamic, compile_config=everywhere)
+    assert not graphs(on_cuda, static, compile_config=everywhere, disable_compile=True)
+    assert not graphs(on_cuda, static, compile_config=_compile_config(mode="default"))
+    assert graphs(on_cuda, static, compile_config=_compile_config(mode="max-autotune"))
+    assert graphs(on_cuda, static, compile_config=_compile_config(mode=None, options={"triton.cudagraphs": True}))
+    assert not graphs(target, static, compile_config=everywhere)  # compiled on CPU, but no CUDA graphs there
+    # Without a compile_config the target's default applies; transformers compiles only on accelerators, and the
+    # rule reads the real (CPU) device, so this stays False here
+    assert not graphs(on_cuda, static)
+    # A transformers without the rule: the cache decides
+    bare = types.SimpleNamespace(device=torch.device("cuda"))
+    assert graphs(bare, static) and not graphs(bare, dynamic) and not graphs(bare, {})
+
+
+def test_the_generator_asks_with_the_targets_cache_and_config(tiny_targets, trained_drafters, monkeypatch):
+    """``auto`` decides from what transformers decodes with: a StaticCache passed as ``cache=`` and the call's
+    generation config reach the rule."""
     import hf_dspark.generation as generation
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     seen = []
-    original = generation.verification_width_mode
+    original = generation.verification_records_graphs
 
-    def record(drafter_, cache, cuda):
-        seen.append(type(cache).__name__)
-        return original(drafter_, cache, cuda)
+    def record(model, kwargs, config):
+        seen.append((model is target, type(kwargs.get("cache")).__name__, config.compile_config is not None))
+        return original(model, kwargs, config)
 
-    monkeypatch.setattr(generation, "verification_width_mode", record)
+    monkeypatch.setattr(generation, "verification_records_graphs", record)
     prompt = random_prompts(1, 8, target.config.vocab_size, seed=2)[0]
     target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=drafter,
-                    cache=StaticCache(config=target.config, max_cache_len=32))
+                    cache=StaticCache(config=target.config, max_cache_len=32), compile_config=CompileConfig())
     target.generate(prompt, do_sample=False, max_new_tokens=6, assistant_model=drafter)
-    assert seen == ["StaticCache", "DynamicCache"]
+    assert seen == [(True, "StaticCache", True), (True, "DynamicCache", False)]
+
+
+@pytest.mark.parametrize("width", ["variable", "fixed"])
+def test_a_compiled_target_keeps_greedy_outputs(tiny_targets, trained_drafters, width):
+    """transformers compiles the target's verification forward with a static cache (here on CPU, through its
+    compile-everywhere switch, traced by dynamo without a code generator): DSpark's rounds run through it and greedy
+    outputs stay those of plain decoding."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompt = random_prompts(1, 8, target.config.vocab_size, seed=4)[0]
+    prompt = torch.cat([prompt, prompt, prompt], dim=1)  # repeated text: lookup rounds too
+    compile_config = _compile_config(backend="eager", mode=None)
+    _settings(drafter, verification_policy="hybrid", sps_profile=CHEAP_VERIFY, verification_width=width)
+    try:
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=20)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        out = target.generate(prompt, do_sample=False, max_new_tokens=20, assistant_model=drafter,
+                              cache=StaticCache(config=target.config, max_cache_len=64), compile_config=compile_config)
+    finally:
+        _settings(drafter, verification_policy="fixed", verification_width=None)
+        del drafter.generation_config.sps_profile
+    assert torch.equal(plain, out)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the verification forward was compiled
+    assert set(drafter.last_stats.sources) >= {"block", "lookup"}

@@ -657,18 +657,16 @@ class DSparkEngine:
         block_caps = [0 if i in lookups else cap for i, cap in enumerate(caps)] if lookups else caps
         capacity = self._topk_capacity(block_caps) if self.scheduled and self.schedule == "topk" else None
         drafting = self._drafting_rows(block_caps, capacity, representative)
-        drafts = None
+        drafts, draft_marks = None, None
         if drafting:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
             pending = self._context.pending_positions(drafting)
-            started = time.perf_counter()
+            started = self._mark()
             self._context.flush(self.drafter, drafting)
-            if pending:
-                self.measurements.record_catch_up(pending, time.perf_counter() - started)
-            started = time.perf_counter()
+            flushed = self._mark()
             drafts = self._draft(drafting)
-            self.measurements.record_draft(_bucket(len(drafting)), time.perf_counter() - started)
+            draft_marks = (pending, started, flushed, self._mark())
         lengths = self._verification_lengths(caps, drafts, capacity, lookups)
         # The cost model's prediction is checked below, on the steps it decided: not those the realized gate ruled out
         # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests),
@@ -682,6 +680,11 @@ class DSparkEngine:
         t1 = time.perf_counter()
         accepted, next_tokens = self._verify(lengths, drafts, lookups)
         t2 = time.perf_counter()
+        if draft_marks is not None:  # read once verification has synchronised: on CUDA the draft's events are done
+            pending, started, flushed, drafted = draft_marks
+            if pending:
+                self.measurements.record_catch_up(pending, self._elapsed(started, flushed))
+            self.measurements.record_draft(_bucket(len(drafting)), self._elapsed(flushed, drafted))
         if self.scheduled and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
@@ -765,6 +768,20 @@ class DSparkEngine:
         elif plain_seconds is not None:
             self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
+
+    def _mark(self):
+        """A point in time for the drafter's cost measurements: a recorded CUDA event on GPU, where a call returns
+        before its kernels finish (read with ``_elapsed`` once the step has synchronised), else ``perf_counter``."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @staticmethod
+    def _elapsed(start, end) -> float:
+        """Seconds between two ``_mark`` points."""
+        return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
 
     def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None,
                                   rows: Sequence[int] = ()) -> bool:

@@ -9,6 +9,7 @@ cumsum -> admission.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -123,8 +124,9 @@ def _launch_inputs(confidences: torch.Tensor, sps_table: torch.Tensor):
 def schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
     """Triton twin: Algorithm 1 (``capacity=None``) or top-``capacity`` admission. Returns [R] lengths."""
     conf, table, out, num_requests, g, max_batch, blocks = _launch_inputs(confidences, sps_table)
-    _schedule_kernel[(1,)](conf, table, out, num_requests, g, max_batch, 0 if capacity is None else int(capacity),
-                           EARLY_STOP=capacity is None, **blocks)
+    with _on_device(conf.device):
+        _schedule_kernel[(1,)](conf, table, out, num_requests, g, max_batch, 0 if capacity is None else int(capacity),
+                               EARLY_STOP=capacity is None, **blocks)
     return out
 
 
@@ -132,8 +134,15 @@ def width_schedule_triton(confidences: torch.Tensor, sps_table: torch.Tensor) ->
     """Triton twin of ``scheduling.width_schedule``. Returns [R] lengths."""
     conf, table, out, num_requests, g, max_batch, blocks = _launch_inputs(confidences, sps_table)
     layers = max(0, min(g, max_batch // num_requests - 1))
-    _width_schedule_kernel[(1,)](conf, table, out, num_requests, g, layers, **blocks)
+    with _on_device(conf.device):
+        _width_schedule_kernel[(1,)](conf, table, out, num_requests, g, layers, **blocks)
     return out
+
+
+def _on_device(device: torch.device):
+    """A launch's CUDA device made current: Triton launches on the current device, whatever its tensors' device is
+    (the interpreter runs CPU tensors: nothing to switch)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------------------------------------------------

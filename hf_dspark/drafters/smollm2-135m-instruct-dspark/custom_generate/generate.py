@@ -277,7 +277,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._round_started: float | None = None
         self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
         self._cuda = target.device.type == "cuda"
+        self._target = target
         self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
+        self._draft_events: tuple[Any, Any] | None = None  # CUDA: the last drafter call's events, read next round
         self.fixed_width: bool | None = None  # decided at the prefill round, from the target's cache
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
@@ -327,8 +329,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             raise ValueError(f"DSpark-assisted generate() runs one sequence at a time, got {input_ids.shape[0]}")
         if is_first_iteration:
             passed = model_kwargs or {}
-            cache = passed.get("cache", passed.get("past_key_values"))  # the target's cache ("cache" in 5.x)
-            self.fixed_width = verification_width_mode(self.drafter, cache, self._cuda) == "fixed"
+            graphs = verification_records_graphs(self._target, passed, self.generation_config)
+            self.fixed_width = verification_width_mode(self.drafter, graphs) == "fixed"
             return input_ids, None  # the prefill forward produces the first anchor and the context features
         started = self._stamp()
         proposal = self._propose(input_ids, model_outputs)
@@ -343,8 +345,29 @@ class DSparkCandidateGenerator(CandidateGenerator):
         event.record()
         return event
 
+    def _time_draft(self, started: Any, ended: Any) -> None:
+        """Fold one drafter call into ``_draft_seconds`` (a moving average the policies weigh drafting by). On CUDA
+        the call returns before its kernels finish, so its events are read at the next round, once verification
+        has synchronised; an event not yet reached then is skipped rather than waited for."""
+        if self._cuda:
+            self._draft_events = (started, ended)
+            return
+        self._fold_draft_seconds(ended - started)
+
+    def _collect_draft_time(self) -> None:
+        """CUDA: fold the last drafter call's event time in, if its kernels have finished."""
+        if self._draft_events is not None:
+            started, ended = self._draft_events
+            self._draft_events = None
+            if ended.query():
+                self._fold_draft_seconds(started.elapsed_time(ended) / 1000.0)
+
+    def _fold_draft_seconds(self, seconds: float) -> None:
+        self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
+
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup)."""
+        self._collect_draft_time()
         now = time.perf_counter()
         if self._round_started is not None and self._finished_round is not None:
             self.policy.record_round(*self._finished_round, now - self._round_started)
@@ -372,7 +395,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self._defer_context(target_hidden)
             self._pending_round = _PendingRound()
             return input_ids, None
-        started = time.perf_counter()
+        started = self._stamp()
         if self.static_round is not None:
             draft = self.static_round.draft(input_ids[:, -1], anchor_position, self._context_features(target_hidden))
         else:
@@ -385,8 +408,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 logits_processor=self.logits_processor,
                 do_sample=self.do_sample,
             )
-        seconds = time.perf_counter() - started
-        self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
+        self._time_draft(started, self._stamp())
         confidences = None if draft.confidences is None else draft.confidences[0]
         verify = int(self.policy.num_to_verify(confidences, max_drafts))
         if not 0 <= verify <= max_drafts:
@@ -483,9 +505,11 @@ CAPACITY_STEP = 256
 
 
 # ``drafter.generation_config.verification_width``:
-#   "auto"      (default) "fixed" when the target's cache is a compilable one (a transformers ``StaticCache``:
-#               passed in, or ``cache_implementation="static"``) on CUDA, where transformers compiles the verification
-#               forward once per width it sees; else "variable"
+#   "auto"      (default) "fixed" where transformers runs the verification forward compiled into CUDA graphs (a
+#               compilable target cache such as ``StaticCache``, passed in or ``cache_implementation="static"``, on
+#               CUDA, with its default ``compile_config`` mode "reduce-overhead"): torch records one CUDA graph per
+#               distinct input width, so every new width costs a recording; else "variable" (without graphs, dynamo's
+#               dynamic shapes serve every width from one compiled graph)
 #   "variable"  each round verifies what its policy chose
 #   "fixed"     every block round verifies the whole block and every lookup round the policy's longest lookup draft
 #               (padded past a shorter match), so the verification forward sees one width per source (and shorter
@@ -493,17 +517,49 @@ CAPACITY_STEP = 256
 #               no draft. Greedy outputs are unchanged: a verified token is kept only where it is the target's own
 #               choice, so verifying more tokens never changes what is emitted.
 VERIFICATION_WIDTHS = ("auto", "variable", "fixed")
+# torch.compile modes that capture CUDA graphs (inductor's cudagraph trees re-record for each distinct input shape).
+GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
 
 
-def verification_width_mode(drafter, target_cache, cuda: bool) -> str:
-    """``"fixed"`` or ``"variable"`` for one call (see ``VERIFICATION_WIDTHS``)."""
+def _compilable_cache(cache) -> bool:
+    return isinstance(cache, StaticCache) or (
+        bool(getattr(cache, "is_compileable", False)) and not isinstance(cache, DynamicCache))
+
+
+def verification_records_graphs(target, model_kwargs: dict, generation_config) -> bool:
+    """Whether transformers' assisted decoding runs ``target``'s verification forward compiled into CUDA graphs for
+    this call: its own auto-compile rule (``_valid_auto_compile_criteria``: a compilable cache, a device it compiles
+    on, ``disable_compile`` unset), on CUDA, in a compile mode that captures graphs."""
+    if target.device.type != "cuda":
+        return False
+    rule = getattr(target, "_valid_auto_compile_criteria", None)
+    if rule is not None:
+        compiles = bool(rule(model_kwargs, generation_config))
+    else:  # a transformers without the rule: compile follows the cache
+        compiles = _compilable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
+    if not compiles:
+        return False
+    compile_config = getattr(generation_config, "compile_config", None)
+    if compile_config is None:  # what get_compiled_call falls back to
+        default = getattr(target, "_default_compile_config", None)
+        if default is not None:
+            compile_config = default()
+        else:
+            from transformers.generation.configuration_utils import CompileConfig
+
+            compile_config = CompileConfig()
+    options = getattr(compile_config, "options", None) or {}
+    return compile_config.mode in GRAPH_COMPILE_MODES or bool(options.get("triton.cudagraphs"))
+
+
+def verification_width_mode(drafter, records_graphs: bool) -> str:
+    """``"fixed"`` or ``"variable"`` for one call (see ``VERIFICATION_WIDTHS``); ``records_graphs``: whether the
+    verification forward runs as CUDA graphs (``verification_records_graphs``)."""
     mode = getattr(drafter.generation_config, "verification_width", None) or "auto"
     if mode not in VERIFICATION_WIDTHS:
         raise ValueError(f"unknown verification_width {mode!r}; expected one of {list(VERIFICATION_WIDTHS)}")
     if mode == "auto":
-        compilable = isinstance(target_cache, StaticCache) or (
-            bool(getattr(target_cache, "is_compileable", False)) and not isinstance(target_cache, DynamicCache))
-        return "fixed" if cuda and compilable else "variable"
+        return "fixed" if records_graphs else "variable"
     return mode
 
 
@@ -522,7 +578,7 @@ def _static_round_for(drafter, generation_config, logits_processor, do_sample: b
     builder = getattr(drafter, "static_round", None)
     cuda = drafter.device.type == "cuda"
     if mode == "auto":
-        if not cuda or builder is None or drafter.static_round_obstacle(logits_processor) is not None:
+        if not cuda or builder is None or drafter.static_round_obstacle(logits_processor, graph=True) is not None:
             return None
     elif builder is None:
         raise ValueError(f"draft_round={mode!r}: this drafter's code has no static round (DSparkDrafter.static_round)")
@@ -805,5 +861,6 @@ __all__ = [
     "prompt_lookup",
     "realized_gate_for",
     "validate_dspark_request",
+    "verification_records_graphs",
     "verification_width_mode",
 ]
