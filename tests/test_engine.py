@@ -1240,6 +1240,41 @@ def test_first_profile_is_not_timed_as_a_step(tiny_targets, monkeypatch):
     assert steps and max(seconds for _, seconds in steps) < 0.5
 
 
+def test_first_profile_holds_kernel_compiles_back_on_cuda(tiny_targets, monkeypatch):
+    """On CUDA the engine's first SPS profile runs inside ``KernelWarmup.quiet``: the scheduler kernels it started
+    compiling in the background wait, so no compile shares the host with the timed forwards."""
+    import contextlib
+
+    import hf_dspark.kernels.scheduler as scheduler
+    import hf_dspark.profiling as profiling
+    from hf_dspark.engine import batching
+
+    target = tiny_targets["llama"]
+    held = []
+
+    class Warmup(scheduler.KernelWarmup):
+        @contextlib.contextmanager
+        def quiet(self, timeout=None):
+            held.append(timeout)
+            yield True
+            held.append("released")
+
+    def profile(*args, **kwargs):
+        held.append("profiled")
+        return DECREASING_SPS
+
+    monkeypatch.setattr(scheduler, "WARMUP", Warmup())
+    monkeypatch.setattr(profiling, "load_or_profile_batched", profile)
+    engine = DSparkEngine(target, make_drafter(target), method="scheduled")
+    engine._profiled_table(2)
+    assert held == ["profiled"]  # on CPU nothing compiles: nothing to hold
+    engine._sps, engine._sps_tables = None, {}
+    engine.device = torch.device("cuda")  # as on a GPU (the table's copy to it is stubbed below)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self)
+    engine._profiled_table(2)
+    assert held == ["profiled", batching.KERNEL_QUIET_TIMEOUT_S, "profiled", "released"]
+
+
 def test_monotone_decreasing_fit():
     from hf_dspark.profiling import monotone_decreasing
 

@@ -89,6 +89,51 @@ def test_kernel_warmup_compiles_in_the_background_and_reports_failures():
     assert warm_scheduler_kernels("cpu", 64, 7) is WARMUP and WARMUP._worker is None
 
 
+def test_kernel_warmup_holds_compiles_back_while_something_is_timed():
+    """``quiet()`` waits for the compile in progress, starts none while the block runs (a compile beside a timed
+    host-bound forward makes it look slower), and lets the queue go on afterwards."""
+    import threading
+    import time
+
+    import torch
+
+    from hf_dspark.kernels import KernelWarmup
+
+    events, release = [], threading.Event()
+
+    def compile_fn(variant, device):
+        events.append(("start", variant[1]))
+        if variant[1] == 2:
+            assert release.wait(10)
+        time.sleep(0.01)
+        events.append(("end", variant[1]))
+
+    warm = KernelWarmup(compile_fn)
+    device = torch.device("cpu")
+    warm.request([("width", r, 8) for r in (2, 4, 8)], device)
+    while not events:
+        time.sleep(0.001)
+    threading.Timer(0.2, release.set).start()
+    with warm.quiet(timeout=10) as idle:
+        assert idle and events == [("start", 2), ("end", 2)]  # entered once the running compile ended
+        time.sleep(0.1)
+        events.append(("timed", 0))
+        assert events[-2:] == [("end", 2), ("timed", 0)]  # nothing started meanwhile
+    assert warm.wait(10)
+    assert events == [("start", 2), ("end", 2), ("timed", 0), ("start", 4), ("end", 4), ("start", 8), ("end", 8)]
+    assert all(warm.ready(("width", r, 8), device) for r in (2, 4, 8))
+    with warm.quiet(timeout=0) as idle:  # nothing compiling: enters at once
+        assert idle
+    running, blocked = threading.Event(), threading.Event()
+    warm = KernelWarmup(lambda variant, device: (running.set(), blocked.wait(10)))
+    warm.request([("width", 2, 8)], device)
+    assert running.wait(10)
+    with warm.quiet(timeout=0.05) as idle:
+        assert not idle  # the compile outlasted the timeout: timed anyway, and said so
+    blocked.set()
+    assert warm.wait(10)
+
+
 def test_schedule_lengths_counts_the_calls_the_twin_serves_while_a_kernel_compiles(monkeypatch):
     """Under ``backend="auto"`` a CUDA call whose variant is not compiled yet is served by the torch twin (the same
     lengths, no wait), queues the compile and is counted as a twin call: the device check reads the counts."""

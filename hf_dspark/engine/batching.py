@@ -42,6 +42,7 @@ public names are importable from here as before.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -100,6 +101,9 @@ GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step
 # were the early, short-context ones and the plain steps the late ones, so their medians came out equal where the
 # profile (and each measured alone) has width 2 at 1.25x width 1, and the cost model took width 2 for free.
 PRICE_PRIOR_TIMINGS = 32.0
+# How long an engine's first SPS profile waits for a scheduler kernel compiling in the background to finish (one
+# variant takes seconds) before timing anyway.
+KERNEL_QUIET_TIMEOUT_S = 30.0
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1007,8 +1011,11 @@ class DSparkEngine:
                 from ..profiling import load_or_profile_batched, powers_of_two_with
 
                 sizes = powers_of_two_with([self.max_concurrency or 64])
-                self._sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
-                                                    hidden_state_indices=self._taps)
+                # The scheduler kernels this engine started compiling in the background wait meanwhile: a compile
+                # beside the timed forwards would price them slower than they run (``KernelWarmup.quiet``).
+                with self._quiet_kernels():
+                    self._sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
+                                                        hidden_state_indices=self._taps)
             if isinstance(self._sps, StepsPerSecond):
                 table = self._sps.table()
             else:
@@ -1018,6 +1025,14 @@ class DSparkEngine:
                                  f"{num_requests} active requests' anchors; profile larger batches")
             self._sps_tables[num_requests] = table.to(self.device)
         return self._sps_tables[num_requests]
+
+    def _quiet_kernels(self):
+        """``KernelWarmup.quiet`` on CUDA, where this engine compiles scheduler kernels; elsewhere nothing."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from ..kernels.scheduler import WARMUP
+
+        return WARMUP.quiet(timeout=KERNEL_QUIET_TIMEOUT_S)
 
     def _smoothed(self, previous: list[float] | None, current: list[float] | None) -> list[float] | None:
         """The moving average behind a request's skip decisions (the last draft alone with smoothing 1)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -163,8 +163,11 @@ class KernelWarmup:
         self._queued: set[tuple] = set()
         self._failed: dict[tuple, str] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a compile started or ended, or a hold was taken or let go
         self._pending: list[tuple[tuple, torch.device]] = []
         self._worker: threading.Thread | None = None
+        self._holds = 0  # ``quiet()`` blocks open: no compile starts while any is
+        self._compiling = False
         # ``schedule_lengths(backend="auto")`` calls on CUDA, by what served them: the torch twin while the variant
         # compiled ("twin") or the compiled kernel ("kernel")
         self.calls = {"twin": 0, "kernel": 0}
@@ -189,6 +192,23 @@ class KernelWarmup:
                 self._worker = threading.Thread(target=self._run, name="hf-dspark-kernel-warmup", daemon=True)
                 self._worker.start()
 
+    @contextlib.contextmanager
+    def quiet(self, timeout: float | None = None) -> Iterator[bool]:
+        """Hold compiles back while something is timed: no variant starts compiling inside the block, and entering
+        waits (up to ``timeout`` seconds) for the one compiling now. A compile holds Python's GIL for much of its
+        seconds (Triton's front end is Python), so a host-bound forward timed beside it runs, and is priced, slower:
+        the batched SPS profile of an engine start would price every width too dear. Yields whether no compile was
+        running when the block began (False: ``timeout`` ran out first). Do not ``wait()`` inside the block."""
+        with self._changed:
+            self._holds += 1
+            idle = self._changed.wait_for(lambda: not self._compiling, timeout)
+        try:
+            yield idle
+        finally:
+            with self._changed:
+                self._holds -= 1
+                self._changed.notify_all()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every requested variant is compiled (or failed); False on timeout."""
         worker = self._worker
@@ -199,21 +219,26 @@ class KernelWarmup:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
+            with self._changed:
+                self._changed.wait_for(lambda: not self._holds or not self._pending)
                 if not self._pending:
                     return
                 variant, device = self._pending.pop(0)
+                self._compiling = True
             key = (_device_key(device), variant)
+            error = None
             try:
                 self.compile_fn(variant, device)
-            except Exception as error:  # the torch twin keeps serving this variant
-                with self._lock:
-                    self._failed[key] = f"{type(error).__name__}: {error}"
-                    self._queued.discard(key)
-                continue
-            with self._lock:
-                self._ready.add(key)
+            except Exception as raised:  # the torch twin keeps serving this variant
+                error = f"{type(raised).__name__}: {raised}"
+            with self._changed:
+                if error is None:
+                    self._ready.add(key)
+                else:
+                    self._failed[key] = error
                 self._queued.discard(key)
+                self._compiling = False
+                self._changed.notify_all()
 
 
 def _device_key(device: torch.device | str) -> str:
