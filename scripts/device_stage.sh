@@ -111,12 +111,14 @@ PYV
     ;;
   calls)
     cat <<EOF
-Three run calls, each within 30 s of the one before (the machine stays warm 30 s); timeout_s of the last leaves
+Three run calls (a fourth if time allows), each within 30 s of the one before (the machine stays warm 30 s); timeout_s of the last leaves
 room for a rerun:
 1. carry [".device1"]: bash .device1/on_device.sh stage1
 2. carry [".device3"]: cat .device3/part1b >> /tmp/stage/part1 && cp .device3/drafter.safetensors /tmp/stage/
 3. carry [".device2"]: bash .device2/on_device.sh run bash scripts/device_stage.sh on-device python3 scripts/device_check.py
 While warm, nothing carried: bash .device2/on_device.sh env bash scripts/device_stage.sh on-device CMD...
+4. (if budget_left_s allows about 5 minutes more) DSpark with a compiled static target against compiled plain:
+   bash .device2/on_device.sh env bash scripts/device_stage.sh on-device python3 scripts/device_check.py --checks smollm2 --static-assisted --prompts-per-set 1 --smollm2-budget 90
 Then give_back, and 'scripts/device_stage.sh restore' here.
 EOF
     ;;
