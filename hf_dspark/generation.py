@@ -342,7 +342,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if not self._cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self._target.device))  # the target's device, whichever is current
         return event
 
     def _time_draft(self, started: Any, ended: Any) -> None:

@@ -19,10 +19,12 @@ Run from the repo root. Checks, in the order they run:
                      drafting round beside the graph round, plain with a static (compiled) cache, and the host syncs
                      of one generate() per round kind under torch.cuda.set_sync_debug_mode("warn")
   lossless_float32   on CUDA: SmolLM2 and the drafter in float32, the default greedy identical to plain greedy on
-                     every set's first prompt (on CPU the smollm2 check is float32 and asserts it)
+                     every set's first prompt, beside prompt lookup's (a flip at a float32 near-tie is reported, not
+                     failed; on CPU the smollm2 check is float32 and asserts equality)
   engine             a first engine start's batched SPS profile (seconds, per batch size), bench-serve of plain,
                      fixed, scheduled and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
-                     plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled
+                     plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled and
+                     the default engine's host synchronisations per step at 16 requests
   triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
                      then the compiled Triton scheduler kernels against their torch twins at three (R, g) (six with
                      --all-shapes), time per call
@@ -604,7 +606,7 @@ def check_engine(args, device):
     ``bench_serve`` of plain, fixed, scheduled (the engine's default) and hybrid at each concurrency (1, 16 and 64
     requests, with 4, 32 and 64 prompts; under ``--quick`` a tiny random pair at 1 and 4), ratios against plain and
     outputs equal to plain's. On CUDA, how many scheduling calls the torch twin served while a kernel compiled
-    (no step waits on a compile) and how many the compiled kernels served."""
+    (no step waits on a compile) and how many the compiled kernels served, and ``engine_sync_numbers``."""
     import tempfile
 
     from hf_dspark.engine.bench import bench_serve
@@ -653,7 +655,30 @@ def check_engine(args, device):
         calls = {k: WARMUP.calls[k] - calls_before.get(k, 0) for k in WARMUP.calls}
         rows.append(("engine[kernels]", {"schedule_calls_on_twin": calls["twin"],
                                          "schedule_calls_on_kernel": calls["kernel"], "failed": WARMUP.failed}))
+        try:  # a failure here must not lose the rows above
+            rows.append(("engine[syncs]", engine_sync_numbers(target, drafter, sps, prompts)))
+        except Exception as error:
+            rows.append(("engine[syncs]", {"error": f"{type(error).__name__}: {error}"[:500]}))
     return rows
+
+
+def engine_sync_numbers(target, drafter, sps, prompts, requests: int = 16, steps: int = 8,
+                        count=count_sync_warnings) -> dict:
+    """Host synchronisations per step of the default (scheduled) engine at ``requests`` requests, counted under
+    ``torch.cuda.set_sync_debug_mode("warn")`` over ``steps`` steps after admission, with their top call sites: on a
+    host-bound GPU each one stalls the Python thread that launches the next kernels."""
+    from hf_dspark.engine import DSparkEngine, SamplingParams
+
+    engine = DSparkEngine(target, drafter, method="scheduled", max_concurrency=requests, sps=sps)
+    for ids in prompts[:requests]:
+        engine.add_request(ids, SamplingParams(max_new_tokens=4 * steps))
+    for _ in range(3):  # admission and the first steps (profile, first drafts) are not typical
+        engine.step()
+    before = engine.stats.steps
+    syncs, sites = count(lambda: [engine.step() for _ in range(steps)])
+    counted = engine.stats.steps - before
+    return {"requests": requests, "steps": counted, "syncs_per_step": round(syncs / max(counted, 1), 1),
+            "top_sites": sites}
 
 
 # ------------------------------------------------------------------------------------------------------------------

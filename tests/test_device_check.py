@@ -96,3 +96,24 @@ def test_divergence_gap_measures_the_targets_margin_where_outputs_part(tiny_targ
     gap = device_check.divergence_gap(target, plain, other)
     assert gap == pytest.approx(float(logits[plain[0, 7]] - logits[runner_up])) and gap >= 0
     assert device_check.divergence_gap(target, plain, plain[:, :-2]) == float("inf")
+
+
+def test_engine_sync_numbers_counts_per_step_after_admission(tiny_targets):
+    """The engine's sync row (CUDA) divides what the counter saw by the steps it ran, after admission."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import device_check
+    from tests.helpers import make_drafter, random_prompts
+
+    target = tiny_targets["llama"]
+    prompts = [p[0].tolist() for p in random_prompts(4, 10, target.config.vocab_size, seed=1)]
+    seen = []
+
+    def count(fn):  # a stand-in for set_sync_debug_mode("warn"): 3 "syncs" per step it ran
+        results = fn()
+        seen.append(len(results))
+        return 3 * len(results), {"batching.py:1": 3 * len(results)}
+
+    numbers = device_check.engine_sync_numbers(target, make_drafter(target), None, prompts, requests=4, steps=5,
+                                               count=count)
+    assert seen == [5] and numbers == {"requests": 4, "steps": 5, "syncs_per_step": 3.0,
+                                       "top_sites": {"batching.py:1": 15}}

@@ -2108,3 +2108,39 @@ def test_drafter_costs_are_measured_between_marks_read_after_verification():
 
     assert DSparkEngine._elapsed(Event(2.0), Event(2.25)) == pytest.approx(0.25)
     assert DSparkEngine._elapsed(10.0, 10.5) == pytest.approx(0.5)
+
+
+def test_bench_compiles_the_scheduler_kernels_before_anything_is_timed(monkeypatch):
+    """On CUDA a bench compiles every kernel variant its scheduled methods can launch (top-K also uses Algorithm 1's
+    kernel) and waits for them before its runs: an engine would otherwise compile them in the background during
+    its first, timed, steps. Off CUDA, or without a scheduled method, nothing compiles."""
+    import types
+
+    import hf_dspark.kernels.scheduler as scheduler
+    from hf_dspark.engine import bench
+
+    calls = []
+
+    class Warmup:
+        failed = {}
+
+        def wait(self, timeout=None):
+            calls.append(("wait", timeout))
+            return True
+
+    monkeypatch.setattr(scheduler, "warm_scheduler_kernels",
+                        lambda device, requests, block, kinds: calls.append((str(device), requests, block, kinds)))
+    monkeypatch.setattr(scheduler, "WARMUP", Warmup())
+
+    def model_on(device):  # what the bench reads of a target: its parameters' device
+        return types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device(device))]))
+
+    drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=7))
+    specs = {m: bench.parse_method(m) for m in ("plain", "fixed", "scheduled=topk", "hybrid")}
+    assert bench.compile_scheduler_kernels(model_on("cuda"), drafter, specs, [1, 16, 64], log=lambda m: None)
+    assert calls == [("cuda", 64, 7, ("prefix", "topk", "width")), ("wait", bench.KERNEL_COMPILE_WAIT_S)]
+    calls.clear()
+    assert bench.compile_scheduler_kernels(model_on("cpu"), drafter, specs, [4], log=lambda m: None) is None
+    plain_only = {m: bench.parse_method(m) for m in ("plain", "fixed")}
+    assert bench.compile_scheduler_kernels(model_on("cuda"), drafter, plain_only, [4], log=lambda m: None) is None
+    assert calls == []

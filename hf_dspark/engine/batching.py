@@ -74,13 +74,13 @@ from .admission import ADMISSION_HOLD, PrefillCost, _prefill_groups, tail_filled
 from .cache import DeferredDrafterContext, RaggedBatchCache
 from .measurements import EngineMeasurements, measurement_key
 from .verification import (
-    SCHEDULE_KERNELS,
     SCHEDULES,
     _processed_probs,
     capped_confidences,
     greedy_verify,
     one_hot_probs,
     schedule_batch,
+    schedule_kernel_kinds,
     speculative_verify,
 )
 
@@ -539,7 +539,7 @@ class DSparkEngine:
             from ..kernels import warm_scheduler_kernels
 
             warm_scheduler_kernels(self.device, max_concurrency or 64, self.block_size,
-                                   kinds=(SCHEDULE_KERNELS[schedule],))
+                                   kinds=schedule_kernel_kinds(schedule))
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if measurements is None else measurements
         self.measurements.bind(measurement_key(target, self.drafter))
@@ -779,7 +779,7 @@ class DSparkEngine:
         if self.device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the engine's device, whichever is current
         return event
 
     @staticmethod

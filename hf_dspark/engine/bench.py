@@ -421,6 +421,34 @@ def _sync(model) -> None:
         torch.cuda.synchronize(device)
 
 
+# How long a bench waits for the scheduler kernels to compile before its runs (one variant takes seconds).
+KERNEL_COMPILE_WAIT_S = 300.0
+
+
+def compile_scheduler_kernels(target, drafter, specs: dict[str, dict], concurrencies, log=print) -> bool | None:
+    """On CUDA, compile every scheduler kernel variant the scheduled methods of ``specs`` can launch at up to
+    ``max(concurrencies)`` requests, before any run is timed. An engine otherwise compiles what it lacks in a
+    background thread during its first steps: a compile holds Python's GIL for seconds, so those steps (host-bound
+    on a GPU), and the measurements shared with later runs, come out slower for the scheduled methods only. Returns
+    whether every compile finished (None where nothing compiles: off CUDA, or no scheduled method)."""
+    from .verification import schedule_kernel_kinds
+
+    device = next(target.parameters()).device
+    kinds = sorted({kind for spec in specs.values() if spec["method"] in SCHEDULED_METHODS
+                    for kind in schedule_kernel_kinds(spec["schedule"])})
+    if device.type != "cuda" or not kinds:
+        return None
+    from ..kernels.scheduler import WARMUP, warm_scheduler_kernels
+
+    started = time.perf_counter()
+    warm_scheduler_kernels(device, max(concurrencies), drafter.config.block_size, kinds=tuple(kinds))
+    finished = WARMUP.wait(KERNEL_COMPILE_WAIT_S)
+    state = "compiled" if finished else "still compiling"
+    log(f"scheduler kernels ({', '.join(kinds)}) {state} after {time.perf_counter() - started:.1f} s"
+        + (f"; failed: {sorted(WARMUP.failed)}" if WARMUP.failed else ""))
+    return finished
+
+
 def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, temperature, top_p, schedule, sps, seed,
              warmup, repeats, share_measurements, measurements, log) -> tuple[dict, SamplingParams, object, dict]:
     """Check a bench's arguments; returns each method's engine keyword arguments, the requests' sampling
@@ -447,6 +475,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
         sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,
                                       hidden_state_indices=drafter.target_hidden_states_indices())
         log(f"batched SPS(B) ready after {time.perf_counter() - started:.1f} s")
+    compile_scheduler_kernels(target, drafter, specs, concurrencies, log)
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}

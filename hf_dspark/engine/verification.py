@@ -11,6 +11,13 @@ SCHEDULES = ("padded", "prefix", "topk")
 SCHEDULE_KERNELS = {"padded": "width", "prefix": "prefix", "topk": "topk"}
 
 
+def schedule_kernel_kinds(schedule: str) -> tuple[str, ...]:
+    """The kernel kinds an engine with ``schedule`` launches: its own, and under top-K also Algorithm 1's, with which
+    it judges whether drafting (or a lookup) can pay at all (top-K pays R + K tokens, as ``prefix`` prices them)."""
+    kind = SCHEDULE_KERNELS[schedule]
+    return (kind, "prefix") if kind == "topk" else (kind,)
+
+
 def _processed_probs(logits: torch.Tensor, processors: LogitsProcessorList | None) -> torch.Tensor:
     """softmax(processors(logits)) over the last axis of [..., V] float logits. The warpers used here look at
     scores only, so the token history passed to them is a placeholder."""

@@ -309,7 +309,8 @@ def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None =
     if use_triton:
         if padded:
             return width_schedule_triton(confidences, sps_table)
-        table = sps_table if sps_table is not None else torch.zeros(confidences.numel() + confidences.shape[0] + 1)
+        table = (sps_table if sps_table is not None  # top-K reads no table: a placeholder on the launch's device
+                 else torch.zeros(confidences.numel() + confidences.shape[0] + 1, device=confidences.device))
         return schedule_triton(confidences, table, capacity)
     if capacity is not None:
         return topk_schedule(confidences, capacity)
