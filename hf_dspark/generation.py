@@ -71,6 +71,21 @@ def totals_by_source(sources: list[str], **per_round: list[int]) -> dict[str, di
     return out
 
 
+def time_mark(device: torch.device) -> Any:
+    """A point in time on ``device``: on CUDA a recorded timing event on its current stream (no sync: it marks when
+    the work launched before it has run), elsewhere ``time.perf_counter()``."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))  # the device's own stream, whichever device is current
+    return event
+
+
+def seconds_between(start: Any, end: Any) -> float:
+    """Seconds between two ``time_mark`` points (CUDA events: once ``end`` has been reached)."""
+    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
+
+
 @dataclass
 class DSparkStats:
     """Per-round statistics of one ``generate`` call (``drafter.last_stats``).
@@ -121,13 +136,12 @@ class DSparkStats:
         split = {"drafting_s": 0.0, "verification_s": 0.0, "bookkeeping_s": 0.0}
         if not self.stamps:
             return split
-        events = not isinstance(self.stamps[0][0], float)
-        if events:
-            torch.cuda.synchronize()
+        if not isinstance(self.stamps[0][0], float):
+            torch.cuda.synchronize()  # CUDA events: every stamp reached
         for stamp in self.stamps:
             for key, (a, b) in zip(split, zip(stamp, stamp[1:])):
                 if b is not None:
-                    split[key] += a.elapsed_time(b) / 1000.0 if events else b - a
+                    split[key] += seconds_between(a, b)
         return split
 
     @property
@@ -338,12 +352,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return proposal
 
     def _stamp(self) -> Any:
-        """A point in time for ``DSparkStats.time_split``: a recorded CUDA event on GPU (no sync), else a float."""
-        if not self._cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._target.device))  # the target's device, whichever is current
-        return event
+        """A point in time on the target's device (``time_mark``), for ``DSparkStats.time_split`` and drafting time."""
+        return time_mark(self._target.device)
 
     def _time_draft(self, started: Any, ended: Any) -> None:
         """Fold one drafter call into ``_draft_seconds`` (a moving average the policies weigh drafting by). On CUDA
@@ -352,7 +362,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self._cuda:
             self._draft_events = (started, ended)
             return
-        self._fold_draft_seconds(ended - started)
+        self._fold_draft_seconds(seconds_between(started, ended))
 
     def _collect_draft_time(self) -> None:
         """CUDA: fold the last drafter call's event time in, if its kernels have finished."""
@@ -360,7 +370,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             started, ended = self._draft_events
             self._draft_events = None
             if ended.query():
-                self._fold_draft_seconds(started.elapsed_time(ended) / 1000.0)
+                self._fold_draft_seconds(seconds_between(started, ended))
 
     def _fold_draft_seconds(self, seconds: float) -> None:
         self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
@@ -860,6 +870,8 @@ __all__ = [
     "lookup_survival_for",
     "prompt_lookup",
     "realized_gate_for",
+    "seconds_between",
+    "time_mark",
     "validate_dspark_request",
     "verification_records_graphs",
     "verification_width_mode",

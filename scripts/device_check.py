@@ -589,9 +589,10 @@ def divergence_gap(target, plain: torch.Tensor, other: torch.Tensor) -> float:
     """At the first position where ``other`` leaves ``plain`` (both [1, n] greedy outputs), the gap between the
     target's logits for plain's token and other's token, from a plain forward of the common prefix."""
     n = min(plain.shape[1], other.shape[1])
-    first = int((plain[0, :n] != other[0, :n]).nonzero()[0]) if (plain[0, :n] != other[0, :n]).any() else n
-    if first >= n:
+    parted = (plain[0, :n] != other[0, :n]).nonzero()
+    if not len(parted):
         return float("inf")  # one is a prefix of the other: a length difference, never a near-tie
+    first = int(parted[0])
     logits = target(plain[:, :first]).logits[0, -1].float()
     return float(logits[plain[0, first]] - logits[other[0, first]])
 

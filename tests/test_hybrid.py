@@ -251,6 +251,16 @@ class _Event:
         return (end.t - self.t) * 1000.0  # milliseconds, as CUDA events report
 
 
+def test_time_marks_are_host_seconds_on_cpu_and_event_milliseconds_on_cuda():
+    """The generator's and the engine's clock: ``time_mark`` gives host seconds off CUDA; ``seconds_between`` reads
+    either that or a pair of timing events (milliseconds, as CUDA reports them)."""
+    from hf_dspark.generation import seconds_between, time_mark
+
+    assert seconds_between(_Event(2.0), _Event(2.25)) == pytest.approx(0.25)
+    assert seconds_between(10.0, 10.5) == pytest.approx(0.5)
+    assert isinstance(time_mark(torch.device("cpu")), float)
+
+
 def test_drafting_time_on_cuda_comes_from_events_read_after_verification(tiny_targets, trained_drafters):
     """On CUDA a drafter call returns before its kernels finish: the policies' drafting time is the events' time,
     read at the next round (verification has synchronised by then), and an event not reached yet is never waited

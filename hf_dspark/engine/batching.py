@@ -62,7 +62,7 @@ from transformers import (
 )
 
 from ..attention import packed_attention
-from ..generation import DSparkStats, is_dspark_drafter, prompt_lookup
+from ..generation import DSparkStats, is_dspark_drafter, prompt_lookup, seconds_between, time_mark
 from ..scheduling import (
     EXPLORE_BUDGET,
     LookupSurvival,
@@ -666,11 +666,11 @@ class DSparkEngine:
             # Project the drafting rows' pending target features first, outside the drafter's timed cost: after a
             # long skip (or a prompt) this is a one-off catch-up, not the price of the next draft.
             pending = self._context.pending_positions(drafting)
-            started = self._mark()
+            started = time_mark(self.device)
             self._context.flush(self.drafter, drafting)
-            flushed = self._mark()
+            flushed = time_mark(self.device)
             drafts = self._draft(drafting)
-            draft_marks = (pending, started, flushed, self._mark())
+            draft_marks = (pending, started, flushed, time_mark(self.device))
         lengths = self._verification_lengths(caps, drafts, capacity, lookups)
         # The cost model's prediction is checked below, on the steps it decided: not those the realized gate ruled out
         # before asking it (pricing a plain step re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests),
@@ -687,8 +687,8 @@ class DSparkEngine:
         if draft_marks is not None:  # read once verification has synchronised: on CUDA the draft's events are done
             pending, started, flushed, drafted = draft_marks
             if pending:
-                self.measurements.record_catch_up(pending, self._elapsed(started, flushed))
-            self.measurements.record_draft(_bucket(len(drafting)), self._elapsed(flushed, drafted))
+                self.measurements.record_catch_up(pending, seconds_between(started, flushed))
+            self.measurements.record_draft(_bucket(len(drafting)), seconds_between(flushed, drafted))
         if self.scheduled and self.adapt_sps:  # the real price of this (rows, width), for later budgets
             self.measurements.record_verify(len(rows), 1 + max(lengths), t2 - t1)
 
@@ -772,20 +772,6 @@ class DSparkEngine:
         elif plain_seconds is not None:
             self.measurements.record_model_check(_bucket(len(rows)), False, len(rows), plain_seconds, emitted, seconds)
         return events
-
-    def _mark(self):
-        """A point in time for the drafter's cost measurements: a recorded CUDA event on GPU, where a call returns
-        before its kernels finish (read with ``_elapsed`` once the step has synchronised), else ``perf_counter``."""
-        if self.device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))  # the engine's device, whichever is current
-        return event
-
-    @staticmethod
-    def _elapsed(start, end) -> float:
-        """Seconds between two ``_mark`` points."""
-        return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
 
     def _realized_allows_drafting(self, num_requests: int, representative: bool | None = None,
                                   rows: Sequence[int] = ()) -> bool:
