@@ -11,6 +11,7 @@ one round with accepted, rejected, unverified and bonus tokens in distinct colou
 from __future__ import annotations
 
 import html
+import os
 import queue
 import threading
 import time
@@ -34,11 +35,13 @@ from .scheduling import (
 POLICIES = ("hybrid", "fixed", "threshold", "scheduler")
 UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
 ROUNDS_SHOWN = 64  # the draft panel keeps the latest rounds
+DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
+EMPTY_PROMPT_MESSAGE = "Enter a prompt to compare plain and DSpark generation."
 
 # status -> (background, text colour, style of the token text)
 TOKEN_STYLES = {
     "accepted": ("#bff0c4", "#0b4d16", ""),
-    "rejected": ("#f7c0c0", "#7a0c0c", "text-decoration:line-through;"),
+    "rejected": ("#f7c0c0", "#7a0c0c", ""),
     "unverified": ("#e4e4e7", "#71717a", ""),
     "bonus": ("#c3d9fb", "#0b3a7a", "font-weight:600;"),
 }
@@ -50,6 +53,17 @@ SOURCE_STYLES = {
 }
 BOX_STYLE = ("display:inline-block;margin:1px;padding:1px 4px;border-radius:4px;text-align:center;"
              "font-family:monospace;white-space:pre;")
+# A rejected draft keeps its text legible (no strike-through over punctuation): its box gets a dashed red outline.
+BORDER_STYLES = {"rejected": "outline:2px dashed #b91c1c;outline-offset:-2px;"}
+# What each verification policy does, shown under the policy choice.
+POLICY_HELP = {
+    "hybrid": "hybrid (generate()'s default): each round drafts from the drafter's block or a prompt lookup, or not at "
+              "all, whichever the target's measured speed profile says yields the most tokens per second",
+    "fixed": "fixed: verify exactly N drafter tokens every round",
+    "threshold": "threshold: verify drafts up to the first confidence c_k below t (at most N)",
+    "scheduler": "scheduler: the paper's prefix scheduler, the length with the most expected tokens per second "
+                 "on the target's speed profile (at most N); drafter block only",
+}
 LEGEND = {
     "accepted": "accepted draft",
     "rejected": "rejected draft",
@@ -75,7 +89,7 @@ def _token_span(text: str, status: str, confidence: float | None) -> str:
     )
     return (
         f'<span class="dspark-tok dspark-{status}" data-status="{status}" title="{html.escape(title)}" '
-        f'style="{BOX_STYLE}background:{background};color:{colour};">'
+        f'style="{BOX_STYLE}background:{background};color:{colour};{BORDER_STYLES.get(status, "")}">'
         f'<span class="dspark-text" style="{text_style}">{token_text(text)}</span>{conf}</span>'
     )
 
@@ -95,7 +109,7 @@ def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
     # correction of the first rejected one.
     if len(record.emitted_ids) > record.accepted:
         spans.append(_token_span(decode(record.emitted_ids[-1]), "bonus", None))
-    summary = f"{record.accepted}/{record.verified} accepted, +{len(record.emitted_ids)}"
+    summary = f"{record.accepted}/{record.verified} accepted, {len(record.emitted_ids)} emitted"
     source = SOURCE_STYLES.get(record.source, SOURCE_STYLES["block"])
     return (
         f'<div class="dspark-round" data-round="{record.index}" data-source="{html.escape(record.source)}" '
@@ -107,8 +121,8 @@ def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
 
 def legend_html() -> str:
     boxes = "".join(
-        f'<span style="{BOX_STYLE}background:{background};color:{colour};"><span style="{text_style}">'
-        f"{html.escape(LEGEND[status])}</span></span>"
+        f'<span style="{BOX_STYLE}background:{background};color:{colour};{BORDER_STYLES.get(status, "")}">'
+        f'<span style="{text_style}">{html.escape(LEGEND[status])}</span></span>'
         for status, (background, colour, text_style) in TOKEN_STYLES.items()
     )
     sources = "".join(
@@ -116,13 +130,18 @@ def legend_html() -> str:
         f"{html.escape(label)}</span>" for colour, label in SOURCE_STYLES.values()
     )
     return (boxes + '<span style="font-size:0.8em;opacity:0.75;"> &nbsp;numbers under drafts: confidence c_k; '
-            "round source:</span>" + sources)
+            '"a/b accepted, n emitted": a of the b verified drafts accepted, n tokens added this round (the accepted '
+            "drafts plus the target's own token); round source:</span>" + sources)
 
 
 def rounds_panel_html(round_rows: list[str]) -> str:
+    """The latest rounds, oldest first, in a box that stays scrolled to the newest: the rows are written newest
+    first in a ``column-reverse`` flex box, whose scroll origin is its bottom, so no script has to follow it."""
     hidden = len(round_rows) - ROUNDS_SHOWN
     note = f'<div style="font-size:0.8em;opacity:0.7;">... {hidden} earlier rounds</div>' if hidden > 0 else ""
-    return f'<div class="dspark-rounds">{note}{"".join(round_rows[-ROUNDS_SHOWN:])}</div>'
+    newest_first = "".join(reversed(round_rows[-ROUNDS_SHOWN:]))
+    return (f'<div class="dspark-rounds" style="display:flex;flex-direction:column-reverse;overflow-y:auto;'
+            f'max-height:400px;">{newest_first}{note}</div>')
 
 
 def summary_markdown(stats: DSparkStats, plain_tps: float | None, dspark_tps: float | None,
@@ -130,11 +149,13 @@ def summary_markdown(stats: DSparkStats, plain_tps: float | None, dspark_tps: fl
     """tau, acceptance and speedup so far."""
     if not stats.rounds:
         return "tau (accepted length incl. bonus): waiting for the first DSpark round"
-    positions = ", ".join("-" if p is None else f"{p:.2f}" for p in stats.position_acceptance())
+    positions = ", ".join("n/a" if p is None else f"{p:.2f}" for p in stats.position_acceptance())
     lines = [
-        f"**tau (accepted length incl. bonus) = {stats.accepted_length:.2f}** over {stats.rounds} rounds; "
-        f"acceptance rate {stats.acceptance_rate:.2f} ({sum(stats.accepted)}/{sum(stats.verified)} verified drafts)",
-        f"per-position acceptance: {positions}",
+        f"**tau (accepted length incl. bonus) = {stats.accepted_length:.2f}** over {stats.rounds} rounds: the "
+        f"tokens each target forward adds; acceptance rate {stats.acceptance_rate:.2f} "
+        f"({sum(stats.accepted)}/{sum(stats.verified)} verified drafts)",
+        f"per-position acceptance (draft k accepted, given drafts 1..k-1 were; n/a: no round verified position k): "
+        f"{positions}",
     ]
     if plain_tps and dspark_tps:
         lines.append(f"**speedup {dspark_tps / plain_tps:.2f}x** ({dspark_tps:.1f} vs {plain_tps:.1f} tokens/s)")
@@ -303,6 +324,16 @@ class DemoRunner:
         self._warm = False
         self._token_text: dict[int, str] = {}
 
+    @property
+    def default_policy(self) -> str:
+        """The policy ``generate()`` uses with this drafter (its generation config's), where the demo offers it."""
+        name = getattr(self.drafter.generation_config, "verification_policy", None) or "fixed"
+        return name if isinstance(name, str) and name in self.policies else "fixed"
+
+    @property
+    def policies(self) -> list[str]:
+        return list(POLICIES) if self.has_confidence else ["fixed"]
+
     def decode_token(self, token_id: int) -> str:
         if token_id not in self._token_text:
             self._token_text[token_id] = self.tokenizer.decode([token_id])
@@ -347,6 +378,7 @@ class DemoRunner:
         settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         with self.lock:
+            yield "", "", "", "", "", "plain generate() runs first, then DSpark"  # the previous run's figures go
             if policy_name in ("scheduler", "hybrid"):
                 yield "", "", "", "", "", "measuring the target's speed profile SPS(B) for the scheduler (once, cached)"
             policy = self.policy(policy_name, num_verify, threshold)
@@ -389,18 +421,22 @@ def _import_gradio():
 
 
 def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str | None = None,
-               update_interval_s: float = UPDATE_INTERVAL_S):
+               update_interval_s: float = UPDATE_INTERVAL_S, drafter_label: str | None = None):
     """A ``gr.Blocks`` app: prompt, policy settings, plain vs DSpark streaming side by side, per-round drafts,
     tau and speedup. Any decoder-only target with its tokenizer and a DSpark drafter shaped for it; the UI is
-    updated at most every ``update_interval_s`` seconds per run."""
+    updated at most every ``update_interval_s`` seconds per run. The policy starts on the one ``generate()`` uses
+    with this drafter; ``drafter_label`` (e.g. its folder and weights digest) is shown under the title."""
     gr = _import_gradio()
 
     runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s)
     target_name = Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     name = title or f"DSpark speculative decoding: {target_name}"
-    policies = list(POLICIES) if runner.has_confidence else ["fixed"]
+    policies = runner.policies
 
     def generate(prompt, max_tokens, policy_name, threshold, num_verify):
+        if not (prompt or "").strip():  # one message, in the summary, instead of an error badge on every panel
+            yield "", "", "", "", "", EMPTY_PROMPT_MESSAGE
+            return
         try:
             yield from runner.run(prompt, max_tokens, policy_name, threshold, num_verify)
         except ValueError as err:
@@ -408,17 +444,18 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
 
     with gr.Blocks(title="hf-dspark demo", analytics_enabled=False) as demo:
         gr.Markdown(f"## {html.escape(name)}\nGreedy decoding with plain `generate()` first, then with the DSpark "
-                    f"drafter (block size {runner.block_size}); in float32 the two outputs are identical.")
+                    f"drafter (block size {runner.block_size}); in float32 the two outputs are identical."
+                    + (f"\n\nDrafter: {html.escape(drafter_label)}" if drafter_label else ""))
         with gr.Row():
             prompt = gr.Textbox(label="Prompt", lines=3, scale=4,
-                                value="Write a Python function that checks whether a number is prime.")
+                                value=DEFAULT_PROMPT, placeholder="Type a prompt")
             with gr.Column(scale=1):
-                run_button = gr.Button("Generate", variant="primary", elem_id="generate-button")
+                run_button = gr.Button("Generate", variant="primary", elem_id="generate-button",
+                                       interactive=bool(DEFAULT_PROMPT.strip()))
                 stop_button = gr.Button("Stop", elem_id="stop-button")
         with gr.Row():
-            policy = gr.Radio(policies, value="fixed", label="Verification policy",
-                              info="fixed: verify N drafts; threshold: up to the first c_k < t; scheduler: "
-                                   "Algorithm 1 on the target's SPS profile")
+            policy = gr.Radio(policies, value=runner.default_policy, label="Verification policy",
+                              info="; ".join(POLICY_HELP[p] for p in policies))
             num_verify = gr.Slider(1, runner.block_size, value=runner.block_size, step=1,
                                    label="Draft tokens to verify (N)", info="exactly N for fixed, at most N otherwise")
             threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
@@ -433,7 +470,7 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
                 dspark_text = gr.Textbox(label="DSpark-assisted generate()", lines=10, elem_id="dspark-output")
         summary = gr.Markdown(elem_id="dspark-summary")
         gr.HTML(legend_html())
-        rounds = gr.HTML(elem_id="dspark-rounds", max_height=420, autoscroll=True)
+        rounds = gr.HTML(elem_id="dspark-rounds")
         inputs = [prompt, max_tokens, policy, threshold, num_verify]
         outputs = [plain_text, plain_speed, dspark_text, dspark_speed, rounds, summary]
         # One run at a time across sessions: the runs share the models, and timing them side by side needs the CPU.
@@ -443,6 +480,8 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
             prompt.submit(generate, inputs, outputs, api_name=False, concurrency_limit=1, concurrency_id="generate"),
         ]
         stop_button.click(None, cancels=events)
+        prompt.change(lambda text: gr.update(interactive=bool((text or "").strip())), prompt, run_button,
+                      api_name=False, queue=False)
     demo.runner = runner
     return demo
 
@@ -458,8 +497,22 @@ def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: st
     target, tokenizer = load_smollm2(dtype=dtype)
     model, origin = load_drafter_for(target, drafter, dtype=dtype)
     demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
-                      title=f"DSpark on SmolLM2-135M-Instruct (drafter: {Path(origin).name})")
-    return demo.launch(server_name=host, server_port=port, share=False, **launch_kwargs)
+                      title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin))
+    # quiet: Gradio's own banner suggests share=True, which this offline demo never uses; the address is printed here
+    blocking = not launch_kwargs.pop("prevent_thread_lock", False)
+    app, url, share_url = demo.launch(server_name=host, server_port=port, share=False, quiet=True,
+                                      prevent_thread_lock=True, **launch_kwargs)
+    print(f"hf-dspark demo: {url} (Ctrl+C stops it)", flush=True)
+    if blocking:
+        demo.block_thread()
+    return app, url, share_url
+
+
+def drafter_label(origin: str) -> str:
+    """``load_drafter_for``'s origin as the demo shows it: the drafter folder's name and its weights digest."""
+    path, _, digest = origin.partition(" (weights sha256 ")
+    name = Path(path).name if os.sep in path or "/" in path else path
+    return name + (f", weights sha256 {digest.rstrip(')')}" if digest else "")
 
 
 __all__ = ["CappedPolicy", "DemoRunner", "build_demo", "launch_default", "make_policy", "round_html",

@@ -70,8 +70,10 @@ def test_round_html_colours_and_confidences():
     colours = {status: re.search(rf'data-status="{status}"[^>]*background:(#\w+)', markup).group(1)
                for status in ("accepted", "rejected", "unverified", "bonus")}
     assert len(set(colours.values())) == 4
-    assert "round 3: 2/4 accepted, +3 (drafter)" in markup
+    assert "round 3: 2/4 accepted, 3 emitted (drafter)" in markup
     assert "<b>" not in markup  # token text is escaped
+    # a rejected draft stays legible: outlined, never struck through
+    assert "line-through" not in markup and re.search(r'data-status="rejected"[^>]*outline:2px dashed', markup)
     lookup = round_html(DSparkRound(index=0, draft_ids=[1, 2], verified=2, accepted=1, emitted_ids=[1, 5],
                                     confidences=None, source="lookup"), str)
     assert 'data-source="lookup"' in lookup and "(lookup)" in lookup and "#d97706" in lookup
@@ -141,12 +143,38 @@ def test_runner_streams_and_matches_plain(tiny_models):
         next(runner.run("  ", 8, "fixed", 0.5, 4))
 
 
+def test_runner_defaults_to_generates_policy(tiny_models):
+    target, tokenizer, drafter = tiny_models
+    runner = DemoRunner(target, tokenizer, drafter)
+    config = drafter.generation_config
+    saved = config.verification_policy
+    try:
+        config.verification_policy = None  # generate()'s own default
+        assert runner.default_policy == "fixed"
+        config.verification_policy = "hybrid"  # what the packaged drafters carry
+        assert runner.default_policy == "hybrid" and runner.policies[0] == "hybrid"
+    finally:
+        config.verification_policy = saved
+
+
+def test_rounds_panel_keeps_the_newest_round_in_view():
+    from hf_dspark.demo import ROUNDS_SHOWN, rounds_panel_html
+
+    rows = [f'<div data-round="{i}"></div>' for i in range(ROUNDS_SHOWN + 3)]
+    panel = rounds_panel_html(rows)
+    assert "flex-direction:column-reverse" in panel  # the box's scroll origin is its bottom: the newest round
+    shown = [int(i) for i in re.findall(r'data-round="(\d+)"', panel)]
+    assert shown == list(range(ROUNDS_SHOWN + 2, 2, -1))  # newest first in the markup, so last on screen
+    assert "3 earlier rounds" in panel
+
+
 def test_runner_scheduler_profiles_first(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))  # a fresh SPS profile, measured within the budget
     target, tokenizer, drafter = tiny_models
     runner = DemoRunner(target, tokenizer, drafter, sps_time_budget_s=2.0, update_interval_s=0.0)
     updates = list(runner.run(PROMPT, 12, "scheduler", 0.5, 4))
-    assert "speed profile" in updates[0][5] and not updates[0][0]
+    assert updates[0] == ("", "", "", "", "", "plain generate() runs first, then DSpark")  # stale figures cleared
+    assert "speed profile" in updates[1][5] and not updates[1][0]
     assert list((tmp_path / "profiles").glob("sps-*.json"))
     assert "identical to plain greedy: yes" in updates[-1][5] and updates[-1][2] == updates[-1][0]
 
@@ -177,8 +205,11 @@ def test_gradio_client_streams_side_by_side(tiny_app, tiny_models):
     assert "speedup" in summary and "identical to plain greedy: yes" in summary
     assert 'data-status="bonus"' in rounds and "dspark-round" in rounds
 
-    with pytest.raises(Exception, match="the prompt is empty"):  # gr.Error reaches the client as one message
-        client.predict("   ", 8, "threshold", 0.5, 4, api_name="/generate")
+    # an empty prompt: one message in the summary, every other panel cleared, no error
+    from hf_dspark.demo import EMPTY_PROMPT_MESSAGE
+
+    assert client.predict("   ", 8, "threshold", 0.5, 4, api_name="/generate") == ("", "", "", "", "",
+                                                                                 EMPTY_PROMPT_MESSAGE)
 
 
 def _chromium() -> str | None:
@@ -199,7 +230,10 @@ def test_browser_screenshot(tiny_app, tmp_path):
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.goto(url, wait_until="domcontentloaded", timeout=30_000)
             page.locator("#generate-button").wait_for(timeout=30_000)
+            page.locator("textarea").first.fill("   ")  # an empty prompt disables the button
+            page.wait_for_function("() => document.querySelector('#generate-button').disabled", timeout=10_000)
             page.locator("textarea").first.fill(PROMPT)
+            page.wait_for_function("() => !document.querySelector('#generate-button').disabled", timeout=10_000)
             page.locator("#generate-button").click()
             page.wait_for_function(
                 "() => /identical to plain greedy/.test(document.querySelector('#dspark-summary')?.innerText || '')",
