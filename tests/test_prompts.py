@@ -43,3 +43,58 @@ def test_excluded_prompt_ids_from_each_kind_of_source(tmp_path):
         excluded_prompt_ids([tmp_path])
     with pytest.raises(FileNotFoundError, match="exclude path not found"):
         excluded_prompt_ids([tmp_path / "missing"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Bundled sets and Hub datasets
+# ------------------------------------------------------------------------------------------------------------------
+def test_bundled_sets_load_by_name():
+    from hf_dspark.prompts import load_prompts
+
+    records = load_prompts(["bundled"])
+    by_set = {}
+    for record in records:
+        by_set.setdefault(record["set"], []).append(record)
+    assert sorted(by_set) == ["chat", "code", "math", "repetitive"] and all(len(v) == 8 for v in by_set.values())
+    assert len({r["id"] for r in records}) == len(records)
+    assert {r["domain"] for r in by_set["math"]} == {"math"} and {r["domain"] for r in by_set["code"]} == {"code"}
+    assert [r["set"] for r in load_prompts(["bundled:code"])] == ["code"] * 8
+    with pytest.raises(FileNotFoundError, match="no bundled prompt set 'poetry'.*chat, code, math, repetitive"):
+        load_prompts(["bundled:poetry"])
+
+
+def test_hub_source_is_parsed_and_refused_clearly():
+    from hf_dspark.prompts import parse_hub_source
+
+    parsed = parse_hub_source("hf:openai/gsm8k?config=main&split=test&field=question&domain=math")
+    assert parsed == {"path": "openai/gsm8k", "split": "test", "field": "question", "config": "main", "id": None,
+                      "domain": "math", "set": "gsm8k"}
+    with pytest.raises(ValueError, match="field=<column>"):
+        parse_hub_source("hf:openai/gsm8k?split=test")
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_hub_source("hf:openai/gsm8k?field=question&colum=x")
+    with pytest.raises(ValueError, match="domain 'poems'"):
+        parse_hub_source("hf:openai/gsm8k?field=question&domain=poems")
+    with pytest.raises(ValueError, match="name the dataset"):
+        parse_hub_source("hf:?field=question")
+
+
+def test_hub_dataset_rows_become_prompts(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from hf_dspark.prompts import load_prompts
+
+    rows = datasets.Dataset.from_list([{"q": "What is 2+2?", "key": 7}, {"q": "And 3+3?", "key": 9}])
+    calls = []
+
+    def fake_load(path, config, split):
+        calls.append((path, config, split))
+        return rows
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    records = load_prompts(["hf:org/arith?split=validation&field=q&id=key&domain=math", "bundled:chat"])
+    assert calls == [("org/arith", None, "validation")]
+    assert records[:2] == [{"id": "7", "domain": "math", "turns": ["What is 2+2?"], "set": "arith"},
+                           {"id": "9", "domain": "math", "turns": ["And 3+3?"], "set": "arith"}]
+    assert [r["set"] for r in records[2:]] == ["chat"] * 8  # sources keep the order given
+    with pytest.raises(ValueError, match="field='question' is not a column of org/arith"):
+        load_prompts(["hf:org/arith?field=question"])
