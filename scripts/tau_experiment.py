@@ -5,10 +5,15 @@ budget per arm, all arms starting from the shipped DSpark drafter, read on the h
     python scripts/tau_experiment.py run [--budget-s 3600] [--output runs/tau-experiment] [--features DIR]
     python scripts/tau_experiment.py table [--output runs/tau-experiment]
 
-Arms:
-  steps     more steps on the shipped drafter's own data (data/regen-smollm2, -b)
-  data      the same steps' worth of time on that data plus data/regen-smollm2-c (sequences it has never seen)
-  capacity  the shipped drafter grown by one layer (`--add-layers 1`: starts as the same function) on its own data
+Arms (`--arms` picks some; all by default):
+  steps        the control: more steps on the shipped drafter's own data (data/regen-smollm2, -b, -c)
+  greedy-data  that data plus data/regen-smollm2-d: greedy (temperature 0) regenerations of training prompts no
+               earlier round used, the decoding users run; its regeneration time counts against the arm
+  capacity     the shipped drafter grown by one layer (`--add-layers 1`: starts as the same function) on its own data
+
+`scripts/acceptance_caps.py` measured first which of these can move tau: the shipped drafter matches the target
+far better on its training turns than on held-out ones (data-bound), and the draft vocabulary's ceiling lies far
+above today's tau.
 
 The budget becomes steps per arm from a short probe of each arm's seconds per step (written once to plan.json, so a
 restarted experiment keeps its plan; another --budget-s re-plans from the stored probes). Each arm is evaluated at
@@ -32,12 +37,29 @@ sys.path.insert(0, str(REPO))
 
 from hf_dspark.training.trainer import seconds_per_step  # noqa: E402
 SHIPPED = "hf_dspark/drafters/smollm2-135m-instruct-dspark"
-OWN_DATA = ["data/regen-smollm2", "data/regen-smollm2-b"]
+OWN_DATA = ["data/regen-smollm2", "data/regen-smollm2-b", "data/regen-smollm2-c"]
+NEW_DATA = "data/regen-smollm2-d"
 ARMS = {
     "steps": {"data": OWN_DATA, "extra": []},
-    "data": {"data": OWN_DATA + ["data/regen-smollm2-c"], "extra": []},
+    "greedy-data": {"data": OWN_DATA + [NEW_DATA], "extra": [], "made": NEW_DATA},
     "capacity": {"data": OWN_DATA, "extra": ["--add-layers", "1"]},
 }
+
+
+def data_seconds(arm: str) -> float:
+    """Seconds its new data took to make (the regeneration's own log, summed over its workers), 0 for none."""
+    folder = ARMS[arm].get("made")
+    log = REPO / folder / "progress.log" if folder else None
+    if log is None or not log.is_file():
+        return 0.0
+    total, last = 0.0, {}
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        worker = entry.get("worker", 0)
+        if entry["elapsed_s"] < last.get(worker, 0.0):  # a restarted job counts its seconds from zero again
+            total += last[worker]
+        last[worker] = entry["elapsed_s"]
+    return total + sum(last.values())
 # Steps per probe: step times vary with the batch's sequence lengths, and the first step warms up; the arms on the
 # same data see the same batches, so their probes differ by what the arm costs, not by the data drawn.
 PROBE_STEPS = 12
@@ -77,7 +99,7 @@ def plan(args, output: Path) -> dict:
             path.write_text(json.dumps(stored, indent=2))
         return stored
     probes = {}
-    for arm in ARMS:
+    for arm in args.arms:
         probe = output / f"probe-{arm}"
         shutil.rmtree(probe, ignore_errors=True)
         run_train(train_command(arm, probe, PROBE_STEPS, args), output / "experiment.log")
@@ -97,6 +119,8 @@ def run(args) -> int:
     chosen = plan(args, output)
     print(f"plan: {chosen['steps']} steps for {chosen['budget_s']:.0f} s per arm", flush=True)
     for arm, steps in chosen["steps"].items():
+        if arm not in args.arms:
+            continue
         run_dir = output / arm
         if (run_dir / "drafter" / "config.json").is_file():
             continue
@@ -108,19 +132,24 @@ def run(args) -> int:
 def table(args) -> int:
     output = Path(args.output).resolve()
     chosen = json.loads((output / "plan.json").read_text())
-    print("| arm | steps | s/step | held-out tau at start | at the end | change |")
-    print("|---|---|---|---|---|---|")
-    for arm in ARMS:
+    print("| arm | steps | s/step | data CPU-h | held-out tau at start | at the end | change | per CPU-hour |")
+    print("|---|---|---|---|---|---|---|---|")
+    for arm in chosen["steps"]:
+        made = data_seconds(arm) / 3600
         evals = output / arm / "eval_log.jsonl"
         if not evals.is_file():
-            print(f"| {arm} | {chosen['steps'][arm]} | {chosen['s_per_step'][arm]:.2f} | not run yet | | |")
+            print(f"| {arm} | {chosen['steps'][arm]} | {chosen['s_per_step'][arm]:.2f} | {made:.2f} | not run yet "
+                  "| | | |")
             continue
         entries = [json.loads(line) for line in open(evals)]
         start, end = entries[0], entries[-1]
         finished = "" if end["step"] == chosen["steps"][arm] else f" (step {end['step']})"
-        print(f"| {arm} | {chosen['steps'][arm]} | {chosen['s_per_step'][arm]:.2f} | "
+        change = end["eval_accepted_length"] - start["eval_accepted_length"]
+        # CPU-hours: the training's wall clock on its threads, plus the data's regeneration
+        hours = end["step"] * chosen["s_per_step"][arm] * chosen["threads"] / 3600 + made
+        print(f"| {arm} | {chosen['steps'][arm]} | {chosen['s_per_step'][arm]:.2f} | {made:.2f} | "
               f"{start['eval_accepted_length']:.3f} | {end['eval_accepted_length']:.3f}{finished} | "
-              f"{end['eval_accepted_length'] - start['eval_accepted_length']:+.3f} |")
+              f"{change:+.3f} | {change / hours if hours else float('nan'):+.3f} |")
     return 0
 
 
@@ -131,6 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", default="runs/tau-experiment")
     parser.add_argument("--features", default=None, help="cached target features of all arms' data (optional)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms to run")
     args = parser.parse_args(argv)
     return run(args) if args.command == "run" else table(args)
 
