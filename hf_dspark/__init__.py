@@ -7,7 +7,8 @@ installs the ``generate(..., assistant_model=drafter)`` dispatch (see ``hf_dspar
 from transformers import AutoConfig, AutoModel
 
 from .configuration_dspark import DSparkConfig
-from .modeling_dspark import DSparkContextCache, DSparkDraft, DSparkDrafter, DSparkOutput
+from .draft_sampling import DSparkDraft
+from .modeling_dspark import DSparkContextCache, DSparkDrafter, DSparkOutput
 from .generation import DSparkCandidateGenerator, DSparkStats, install_generate_dispatch
 from .scheduling import (
     ConfidenceThresholdPolicy,

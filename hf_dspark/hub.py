@@ -53,18 +53,21 @@ MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card.md.jinja"  #
 
 def render_model_card(drafter: DSparkDrafter, *, name: str, repo_id: str, target_name: str, training_text: str,
                       evaluation_text: str, template: str | Path | None = None) -> str:
-    """Render the model card template with the drafter's config and the given training / evaluation texts."""
-    import jinja2
+    """The model card: ``huggingface_hub``'s ``ModelCardData`` metadata (``{{ card_data }}`` in the template) and the
+    template rendered with the drafter's config and the given training / evaluation texts."""
+    from huggingface_hub import ModelCard, ModelCardData
 
     path = Path(template) if template else MODEL_CARD_TEMPLATE
     if not path.is_file():
         raise FileNotFoundError(f"model card template not found: {path}")
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    return env.from_string(path.read_text(encoding="utf-8")).render(
-        name=name, repo_id=repo_id, target_name=target_name, config=drafter.config,
+    data = ModelCardData(library_name="transformers", license="apache-2.0", base_model=target_name,
+                         tags=["speculative-decoding", "dspark", "hf-dspark"], pipeline_tag="text-generation")
+    card = ModelCard.from_template(
+        data, template_path=str(path), name=name, repo_id=repo_id, target_name=target_name, config=drafter.config,
         num_parameters=sum(p.numel() for p in drafter.parameters()), training_text=training_text,
         evaluation_text=evaluation_text,
     )
+    return f"{card}\n"  # jinja drops the template's final newline
 
 
 def load_report(path: str | Path) -> dict:

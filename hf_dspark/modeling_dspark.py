@@ -4,8 +4,9 @@
 Reads top to bottom like a transformers model file: context cache, attention, decoder layer, sequential heads,
 confidence head, the drafter, then the low-level drafting API (``DSparkDrafter.draft``).
 
-This file is self-contained (torch + transformers + ``configuration_dspark``): it is copied into every exported
-drafter folder so that ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` works without ``hf_dspark``.
+This file is self-contained (torch + transformers + the sibling modules it imports: ``configuration_dspark``,
+``draft_sampling``, ``static_round``, ``drafter_files``): ``save_pretrained`` copies it with them into every drafter
+folder so that ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` works without ``hf_dspark``.
 
 Conventions (DSpark, not original DFlash): the block is ``[anchor, mask * (g - 1)]`` at positions
 ``anchor_pos .. anchor_pos + g - 1`` and block position ``k`` (0-based) predicts the token at ``anchor_pos + k + 1``.
@@ -14,20 +15,12 @@ The context is always exactly the target features of positions ``< anchor_pos``.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
-import os
-import threading
-import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
-from transformers.generation import logits_process
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
@@ -37,9 +30,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from transformers.utils import ModelOutput
 
 from .configuration_dspark import DSparkConfig
+from .draft_sampling import CandidateWarpers, DSparkDraft, SequentialHeadLogitsProcessor, value_only
+from .drafter_files import load_reference_shared, read_json, write_custom_generate
+from .static_round import DSparkStaticRound, kept_static_round, static_round_obstacle
 
-# Weights that reference-format folders carry as copies of the target's; hf-dspark checkpoints never store them.
-TARGET_OWNED_WEIGHTS = ("embed_tokens.weight", "lm_head.weight")
 DEFAULT_GENERATION_SETTINGS = {"verification_policy": "fixed", "num_verify_tokens": None, "confidence_threshold": 0.5}
 
 
@@ -274,128 +268,6 @@ class DSparkConfidenceHead(nn.Module):
         return self.proj(features).squeeze(-1)
 
 
-# Warpers that see only the scores' values, never token ids (each is equivariant under a permutation of the
-# vocabulary): applied to draft-vocabulary scores they give a distribution over the draft vocabulary, which is a
-# valid q for rejection sampling as long as it is the one the draft was drawn from (it is, and it goes to the
-# verifier scattered into the full vocabulary with q = 0 elsewhere).
-VALUE_ONLY_WARPERS = tuple(getattr(logits_process, name) for name in (
-    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
-    "EpsilonLogitsWarper", "EtaLogitsWarper", "TopHLogitsWarper") if hasattr(logits_process, name))
-
-
-def value_only(processors: LogitsProcessorList) -> bool:
-    """True when every processor is one of ``VALUE_ONLY_WARPERS`` (exact types: a subclass may read token ids)."""
-    return all(type(processor) in VALUE_ONLY_WARPERS for processor in processors)
-
-
-def exponential_race(scores: torch.Tensor) -> torch.Tensor:
-    """One index per row drawn from softmax(scores) [batch, V] -> [batch, 1]: the argmax of p_i / E_i with
-    E_i ~ Exp(1) is i with probability p_i. The same draw as torch.multinomial's one-sample path, spelled out so that
-    no check can read back to the host (a captured round must not synchronise)."""
-    probs = torch.softmax(scores, dim=-1)
-    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1, keepdim=True)
-
-
-# How many of the highest-scoring tokens ``CandidateWarpers`` warps and samples among.
-DRAFT_CANDIDATES = 256
-
-
-class CandidateWarpers:
-    """Temperature, then top-k / top-p / min-p, applied to the ``DRAFT_CANDIDATES`` highest-scoring tokens only.
-
-    The user's truncating warpers keep the most probable tokens, so a draft step needs only the top of its scores:
-    one ``topk`` and a log-normaliser over the whole vocabulary replace transformers' full sort (top-p) and the
-    full-vocabulary softmax and draw, which made a sampled round on CPU cost twice a greedy one. Each truncation sees
-    exact probabilities (the first over the whole vocabulary, later ones renormalised over what is kept, as the
-    warpers chain), so whenever the kept set lies within the candidates the result is the warpers' own distribution;
-    where it would reach past them (a nucleus wider than the candidates) it stops at them. Either way the scores
-    returned are exactly the distribution the draft is drawn from, which is all lossless verification needs.
-
-    ``build`` returns None (apply the processors as they are) unless every processor is a temperature, top-k, top-p
-    or min-p warper of exactly those types with removed tokens set to -inf, the temperatures come before the
-    truncations, and there is at least one truncation (without one, candidates would cut the distribution short).
-    """
-
-    def __init__(self, temperature: float, truncations: list[tuple[str, float, int]], candidates: int):
-        self.temperature = temperature
-        self.truncations = truncations  # (kind, value, min_tokens_to_keep), in the processors' order
-        self.candidates = candidates
-
-    @classmethod
-    def build(cls, processors, vocab_size: int) -> "CandidateWarpers | None":
-        temperature, truncations = 1.0, []
-        for processor in processors or ():
-            kind = type(processor)
-            if kind is logits_process.TemperatureLogitsWarper and not truncations:
-                temperature *= float(processor.temperature)
-                continue
-            if kind not in (logits_process.TopKLogitsWarper, logits_process.TopPLogitsWarper,
-                            logits_process.MinPLogitsWarper) or processor.filter_value != -float("inf"):
-                return None
-            if kind is logits_process.TopKLogitsWarper:
-                truncations.append(("top_k", int(processor.top_k), 1))
-            elif kind is logits_process.TopPLogitsWarper:
-                truncations.append(("top_p", float(processor.top_p), int(processor.min_tokens_to_keep)))
-            else:
-                truncations.append(("min_p", float(processor.min_p), int(processor.min_tokens_to_keep)))
-        if not truncations:
-            return None
-        candidates = min([DRAFT_CANDIDATES, vocab_size] + [int(v) for k, v, _ in truncations if k == "top_k"])
-        return cls(temperature, truncations, candidates)
-
-    def __call__(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(candidate scores [batch, K] with -inf where removed, their token indices [batch, K])`` from scores
-        [batch, V]; the candidates are sorted by score, highest first."""
-        scores = scores / self.temperature if self.temperature != 1.0 else scores
-        values, indices = scores.topk(self.candidates, dim=-1)
-        log_total = scores.logsumexp(dim=-1, keepdim=True)  # the first truncation sees the whole distribution
-        rank = torch.arange(self.candidates, device=scores.device)
-        keep = torch.ones_like(values, dtype=torch.bool)
-        for i, (kind, value, min_keep) in enumerate(self.truncations):
-            if i:  # later truncations see the distribution renormalised over what the earlier ones kept
-                kept = values.masked_fill(~keep, -float("inf"))
-                log_total = kept.logsumexp(dim=-1, keepdim=True)
-            probs = (values - log_total).exp().masked_fill(~keep, 0.0)
-            if kind == "top_k":
-                new = (rank < value).expand_as(keep)
-            elif kind == "top_p":  # a token stays while the mass ranked above it is below top_p
-                new = probs.cumsum(dim=-1) - probs < value
-            else:  # min_p: at least min_p times the most probable token's probability
-                new = probs >= value * probs[:, :1]
-            keep = keep & (new | (rank < min_keep))
-        return values.masked_fill(~keep, -float("inf")), indices
-
-    def full(self, candidate_scores: torch.Tensor, indices: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """The candidates' scores scattered into [batch, V] (-inf elsewhere): the q a draft step reports."""
-        out = candidate_scores.new_full((candidate_scores.shape[0], vocab_size), -float("inf"))
-        return out.scatter(-1, indices, candidate_scores)
-
-
-class SequentialHeadLogitsProcessor(LogitsProcessor):
-    """The sequential head as a transformers ``LogitsProcessor`` over one block's draft logits.
-
-    Sampling a block goes left to right; at block position ``k`` the processor sees the sequence whose last token
-    is the previously sampled one (the anchor for ``k = 0``) and adds the head's bias for it. Recurrent heads keep
-    their state here, so calls must come in block order, once per position.
-    """
-
-    def __init__(self, head: DSparkMarkovHead, block_hidden: torch.Tensor, start_length: int):
-        self.head = head
-        self.block_hidden = block_hidden  # [batch, g, d]
-        self.start_length = start_length  # sequence length when the anchor is the last token
-        self.state = head.initial_state(block_hidden)
-        self.next_position = 0
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        position = input_ids.shape[1] - self.start_length
-        if position != self.next_position:
-            raise RuntimeError(
-                f"SequentialHeadLogitsProcessor called for block position {position}, expected {self.next_position}"
-            )
-        bias, self.state = self.head.step(input_ids[:, -1], self.block_hidden[:, position], self.state)
-        self.next_position += 1
-        return scores + bias.to(scores.dtype)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Outputs
@@ -408,41 +280,6 @@ class DSparkOutput(ModelOutput):
     hidden_states: torch.FloatTensor | None = None
     logits: torch.FloatTensor | None = None
 
-
-@dataclass
-class DSparkDraft:
-    """One drafting round (``DSparkDrafter.draft``).
-
-    - ``base_logits`` [batch, g, V_draft]: LM head on the block (U_k), before the sequential head, over the draft
-      vocabulary (the full vocabulary unless ``draft_vocab_size`` is set).
-    - ``draft_ids`` [batch, g]: the sampled (or greedy) draft tokens.
-    - ``draft_logits`` [batch, g, V]: the logits each draft token was sampled from, after the sequential head and
-      every logits processor; ``softmax(draft_logits)`` is exactly q for rejection sampling. With a draft
-      vocabulary they are scattered into the full vocabulary on first access (``sampled_logits`` holds them over
-      the draft vocabulary until then): greedy callers that never read them skip a [batch, g, V] fill.
-    - ``confidence_logits`` / ``confidences`` [batch, g]: calibrated per-position acceptance confidence c_k
-      (None without a confidence head).
-    - ``hidden_states`` [batch, g, d]: the block's final hidden states.
-    """
-
-    base_logits: torch.Tensor
-    draft_ids: torch.Tensor
-    sampled_logits: torch.Tensor
-    hidden_states: torch.Tensor
-    confidence_logits: torch.Tensor | None = None
-    confidences: torch.Tensor | None = None
-    extra: dict = field(default_factory=dict)
-    to_full_vocab: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    @property
-    def draft_logits(self) -> torch.Tensor:
-        if self.to_full_vocab is not None:
-            self.sampled_logits, self.to_full_vocab = self.to_full_vocab(self.sampled_logits), None
-        return self.sampled_logits
-
-    @draft_logits.setter
-    def draft_logits(self, value: torch.Tensor) -> None:
-        self.sampled_logits, self.to_full_vocab = value, None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -779,34 +616,11 @@ class DSparkDrafter(DSparkPreTrainedModel):
         return static_round_obstacle(self, processors, graph)
 
     def static_round(self, capacity: int, *, processors: LogitsProcessorList | None = None, do_sample: bool = False,
-                     graph: bool = False, fallback: bool = False) -> "DSparkStaticRound":
-        """A ``DSparkStaticRound`` (reset, ready for a new sequence) for contexts up to ``capacity`` positions.
-
-        The last one built in the calling thread is kept and reused while its key matches: the capacity, the sampling
-        mode, the processors' settings (a CUDA graph bakes them in), and the identity of every tensor the round reads
-        or derives a cached copy from. A CUDA graph is then captured once, not per ``generate()`` call, and
-        ``generate()`` calls running at the same time in different threads never share buffers."""
-        embed, lm_head = self._require_shared()
-        tensors = [*self.parameters(), *self.buffers(), embed.weight, lm_head.weight]
-        key = (
-            capacity, graph, fallback, do_sample,
-            repr([(type(p).__name__, sorted(vars(p).items())) for p in processors or []]),
-            tuple((t.data_ptr(), t.dtype, t.device) for t in tensors),
-            lm_head.weight._version, None if self.draft_vocab is None else self.draft_vocab._version,
-            None if self.config.confidence_temperatures is None else tuple(self.config.confidence_temperatures),
-        )
-        kept = self.__dict__.get("_static_rounds")
-        if kept is None:
-            kept = self.__dict__["_static_rounds"] = _KeptRounds()
-        thread = threading.get_ident()
-        cached = kept.get(thread)
-        if cached is None or cached[0] != key:
-            kept.pop(thread, None)  # free the old buffers (and graph) before allocating new ones
-            cached = kept[thread] = (key, DSparkStaticRound(self, capacity, processors=processors, do_sample=do_sample,
-                                                            graph=graph, fallback=fallback))
-        cached[1].reset()
-        return cached[1]
-
+                     graph: bool = False, fallback: bool = False) -> DSparkStaticRound:
+        """A ``DSparkStaticRound`` (reset, ready for a new sequence) for contexts up to ``capacity`` positions, kept
+        per thread and reused while nothing it bakes in changed; see ``kept_static_round``."""
+        return kept_static_round(self, capacity, processors=processors, do_sample=do_sample, graph=graph,
+                                 fallback=fallback)
     @torch.no_grad()
     def sample_block(
         self,
@@ -878,16 +692,16 @@ class DSparkDrafter(DSparkPreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Load an hf-dspark drafter folder or a reference-format (``Qwen3DSparkModel``) folder / Hub repo."""
-        config_dict = _read_json(pretrained_model_name_or_path, "config.json", kwargs)
+        config_dict = read_json(pretrained_model_name_or_path, "config.json", kwargs)
         reference = config_dict is not None and DSparkConfig.is_reference_dict(config_dict)
         if reference and "config" not in kwargs:
             kwargs["config"] = DSparkConfig.from_reference_dict(config_dict)
         loaded = super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # output_loading_info=True
         if reference:
-            embed, lm_head = _load_reference_shared(pretrained_model_name_or_path, model.config, kwargs)
+            embed, lm_head = load_reference_shared(pretrained_model_name_or_path, model.config, kwargs)
             model.set_shared_modules(embed.to(model.device, model.dtype), lm_head.to(model.device, model.dtype))
-        generation_dict = _read_json(pretrained_model_name_or_path, "generation_config.json", kwargs)
+        generation_dict = read_json(pretrained_model_name_or_path, "generation_config.json", kwargs)
         if generation_dict is not None:
             settings = dict(DEFAULT_GENERATION_SETTINGS)
             settings.update({k: v for k, v in generation_dict.items() if k != "transformers_version"})
@@ -900,250 +714,7 @@ class DSparkDrafter(DSparkPreTrainedModel):
         super().save_pretrained(save_directory, *args, **kwargs)
         self.generation_config.save_pretrained(save_directory)
         if self.is_remote_code():
-            _write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
-
-
-class _KeptRounds(dict):
-    """A drafter's static rounds by thread id. Not copied with the drafter (a CUDA graph cannot be, and a copy's
-    weights live elsewhere): a deep copy or an unpickled drafter starts with none and builds its own."""
-
-    def __deepcopy__(self, memo):
-        return _KeptRounds()
-
-    def __reduce__(self):
-        return (_KeptRounds, ())
-
-
-# Value-only warpers that read a value back to the host (``torch.distributions.Categorical`` validates its logits):
-# a static round runs them eagerly, a CUDA graph cannot capture them.
-HOST_READING_WARPERS = tuple(getattr(logits_process, name) for name in (
-    "EtaLogitsWarper", "TopHLogitsWarper") if hasattr(logits_process, name))
-
-
-def static_round_obstacle(drafter: "DSparkDrafter", processors: LogitsProcessorList | None,
-                          graph: bool = False) -> str | None:
-    """Why a drafting round cannot run as a ``DSparkStaticRound`` with these logits processors, or with ``graph``
-    also be captured as a CUDA graph (None: it can).
-
-    The static round feeds the sequential head its own previous draft and gives processors no token history, so
-    it takes only value-only warpers (temperature, top-k/p, ...); a processor that reads token ids (repetition
-    penalty, bad words, ...) needs the eager round's growing sequence. A graph also admits nothing that reads a
-    value back to the host during the round: the eta and top-h warpers, or a dynamic / LongRoPE rotary embedding
-    (it compares the largest position with its cached length on every call)."""
-    readers = [type(p).__name__ for p in processors or [] if type(p) not in VALUE_ONLY_WARPERS]
-    if readers:
-        return f"logits processors that read token ids ({', '.join(readers)})"
-    if graph:
-        syncing = [type(p).__name__ for p in processors or [] if type(p) in HOST_READING_WARPERS]
-        if syncing:
-            return f"logits processors that read values back to the host ({', '.join(syncing)})"
-        rope_type = getattr(drafter.rotary_emb, "rope_type", "default")
-        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
-            return f"a rotary embedding that resizes itself while running (rope_type {rope_type!r})"
-    return None
-
-
-class DSparkStaticRound:
-    """Drafting rounds of one sequence over fixed-shape buffers: the form a CUDA graph captures and replays.
-
-    The context keys/values live in preallocated ``[1, kv_heads, capacity, head_dim]`` buffers per layer, appended
-    in place. A round's varying inputs (the anchor, a window of ``block_size + 1`` rows of new context features,
-    where that window starts and how many of its rows are real) are copied into static tensors; the round reads
-    only those, writes the window's keys/values at its positions, attends over the whole buffer with the positions
-    at or past the anchor masked out, and samples the block with the sequential head. Every round therefore runs
-    the same kernels on the same addresses, with no host synchronisation: on CUDA (``graph=True``) the round is
-    captured once and each draft is one graph replay instead of hundreds of kernel launches from Python.
-
-    Rows past the real ones in the window are written too (positions at or past the anchor, masked, and
-    overwritten by the next round's window), so a round's shapes never depend on how many tokens were accepted.
-    More new positions than the window holds (the prompt, or features kept back by rounds that did not draft)
-    are appended eagerly first.
-    """
-
-    def __init__(self, drafter: "DSparkDrafter", capacity: int, *, processors: LogitsProcessorList | None = None,
-                 do_sample: bool = False, graph: bool = False, fallback: bool = False):
-        obstacle = static_round_obstacle(drafter, processors, graph)
-        if obstacle is not None:
-            kind = "a CUDA graph of the drafting round" if graph else "a static drafting round"
-            raise ValueError(f"{kind} cannot run {obstacle}; use draft_round='eager'")
-        config = drafter.config
-        weight = drafter.fc.weight
-        self.device, self.dtype = weight.device, weight.dtype
-        if graph and self.device.type != "cuda":
-            raise ValueError(f"draft_round='graph' captures a CUDA graph; the drafter is on {self.device}")
-        self.drafter = drafter
-        self.block_size = g = config.block_size
-        self.window = g + 1  # a block round verifies at most g drafts and adds the target's own token
-        if capacity < self.window:
-            raise ValueError(f"capacity {capacity} is smaller than one round's window ({self.window})")
-        self.capacity = capacity
-        self.processors = LogitsProcessorList(processors or [])
-        self.do_sample = do_sample
-        draft_size = config.vocab_size if drafter.draft_vocab is None else drafter.draft_vocab.numel()
-        self.candidate = CandidateWarpers.build(self.processors, draft_size) if do_sample else None
-        self.graph = graph
-        self.fallback = fallback  # a failed capture warns and drafts eagerly instead of raising
-        shape = (1, config.num_key_value_heads, capacity, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in drafter.layers]
-        taps = len(config.target_layer_ids) * config.target_hidden_size
-        self.features = torch.zeros(1, self.window, taps, dtype=self.dtype, device=self.device)
-        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the window's first position
-        self.valid = torch.zeros((), dtype=torch.long, device=self.device)  # its real rows; the anchor follows them
-        self.anchor = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.masks = torch.full((1, g - 1), config.mask_token_id, dtype=torch.long, device=self.device)
-        self.history = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # value-only processors ignore it
-        self.length = 0  # context positions in the buffers (host-side: the caller knows every count)
-        # The round's own references to the draft-head rows and STS temperatures: a graph reads them by address, and
-        # the drafter's shared cached copies can be replaced by other calls (another block size, another thread).
-        # ``DSparkDrafter.static_round`` builds a new round whenever what they derive from changes.
-        self.head_rows = drafter.draft_head_rows()
-        self.temperatures = drafter.confidence_temperature_tensor(g, self.dtype, self.device)
-        self._graph = None
-        self._outputs: tuple[torch.Tensor, ...] | None = None
-
-    def reset(self) -> None:
-        """Start a new sequence (the buffers are reused; stale rows sit past the length, masked)."""
-        self.length = 0
-
-    # The round ----------------------------------------------------------------------------------------------------
-    def _round(self) -> tuple[torch.Tensor, ...]:
-        drafter, g = self.drafter, self.block_size
-        window_positions = (self.start + torch.arange(self.window, device=self.device)).unsqueeze(0)
-        anchor_position = self.start + self.valid
-        block_positions = (anchor_position + torch.arange(g, device=self.device)).unsqueeze(0)
-        window_key_values = drafter.context_key_values(self.features, window_positions)
-        block_ids = torch.cat([self.anchor.view(1, 1), self.masks], dim=1)
-        hidden = drafter._require_shared()[0](block_ids).to(self.dtype)
-        block_rope = drafter.rotary_emb(hidden, block_positions)
-        visible = torch.arange(self.capacity, device=self.device) < anchor_position
-        mask = torch.cat([visible.expand(g, -1), visible.new_ones(g, g)], dim=-1).view(1, 1, g, -1)
-        for layer, keys, values, (new_keys, new_values) in zip(drafter.layers, self.keys, self.values,
-                                                                window_key_values):
-            keys.index_copy_(2, window_positions[0], new_keys)
-            values.index_copy_(2, window_positions[0], new_values)
-            hidden = layer(hidden, block_rope, (keys, values), mask)
-        hidden = drafter.norm(hidden)
-        base_logits = drafter.output_logits(hidden, self.head_rows)
-        base = base_logits.float()
-        head = drafter.markov_head
-        state = None if head is None else head.initial_state(hidden)
-        previous, steps, tokens = self.anchor, [], []
-        for k in range(g):
-            scores = base[:, k]
-            if head is not None:
-                bias, state = head.step(previous, hidden[:, k], state)
-                scores = scores + bias.to(scores.dtype)
-            if self.candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
-                values, indices = self.candidate(scores)
-                steps.append(self.candidate.full(values, indices, scores.shape[-1]))
-                index = indices.gather(-1, exponential_race(values))
-            else:
-                if self.processors:
-                    scores = self.processors(self.history, scores)
-                steps.append(scores)
-                index = exponential_race(scores) if self.do_sample else scores.argmax(dim=-1, keepdim=True)
-            token = index if drafter.draft_vocab is None else drafter.draft_vocab[index]
-            tokens.append(token)
-            previous = token.view(1)
-        draft_ids = torch.cat(tokens, dim=1)
-        prev_ids = torch.cat([self.anchor.view(1, 1), draft_ids[:, :-1]], dim=1)
-        confidence_logits = drafter.confidence_logits(hidden, prev_ids)
-        outputs = [base_logits, draft_ids, torch.stack(steps, dim=1), hidden]
-        if confidence_logits is not None:
-            outputs += [confidence_logits, drafter.confidences(confidence_logits, self.temperatures)]
-        return tuple(outputs)
-
-    def _on_device(self):
-        """The round's CUDA device made current (graphs and streams belong to one device); elsewhere nothing."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-
-    def _capture(self) -> None:
-        # Warm up on a side stream (lazy initialisation), then capture. The warm-up rounds rewrite the window's rows
-        # with the same values the first replay writes. Everything runs on the round's device, whichever is current.
-        with self._on_device():
-            caller = torch.cuda.current_stream()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._round()
-            caller.wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                # thread_local: CUDA work that other threads launch meanwhile (another generate()) neither breaks the
-                # capture nor is refused.
-                with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
-                    outputs = self._round()
-            finally:
-                # A capture that fails to end leaves torch.cuda.graph's stream current: the caller's comes back.
-                torch.cuda.set_stream(caller)
-        self._graph, self._outputs = graph, outputs  # only a finished capture is kept and replayed
-
-    def _replay(self) -> tuple[torch.Tensor, ...]:
-        if self._graph is None:
-            try:
-                self._capture()
-            except Exception as error:
-                if not self.fallback:
-                    raise
-                warnings.warn(f"capturing the drafting round as a CUDA graph failed ({type(error).__name__}: {error}); "
-                              "this drafter drafts with the static round run eagerly", RuntimeWarning, stacklevel=4)
-                self.graph = False
-                return self._round()
-        with self._on_device():
-            self._graph.replay()
-        return tuple(t.clone() for t in self._outputs)  # the next replay overwrites the graph's outputs
-
-    # Appending and drafting ------------------------------------------------------------------------------------------
-    def extend(self, target_hidden: torch.Tensor) -> None:
-        """Append the keys/values of ``target_hidden`` [1, n, taps * D] at positions ``length ..`` (eagerly)."""
-        n = target_hidden.shape[1]
-        if self.length + n > self.capacity:
-            raise ValueError(f"the drafter context would hold {self.length + n} positions; capacity is {self.capacity}")
-        positions = _positions(self.length, n, target_hidden)
-        for keys, values, (new_keys, new_values) in zip(self.keys, self.values,
-                                                        self.drafter.context_key_values(target_hidden, positions)):
-            keys[:, :, self.length:self.length + n] = new_keys
-            values[:, :, self.length:self.length + n] = new_values
-        self.length += n
-
-    @torch.no_grad()
-    def draft(self, anchor_ids: torch.LongTensor, anchor_position: int, target_hidden: torch.Tensor) -> DSparkDraft:
-        """One round: append ``target_hidden`` [1, n, taps * D] (the features of every position the context lacks,
-        so that it covers ``0 .. anchor_position - 1``) and draft a block from ``anchor_ids`` [1]."""
-        n = target_hidden.shape[1]
-        if anchor_ids.numel() != 1 or target_hidden.shape[0] != 1:
-            raise ValueError("a static drafting round drafts for one sequence")
-        if self.length + n != anchor_position:
-            raise ValueError(
-                f"the drafter context would cover positions 0..{self.length + n - 1} but the anchor is at "
-                f"{anchor_position}: pass the features of every position the context lacks"
-            )
-        if anchor_position - min(n, self.window) + self.window > self.capacity:
-            raise ValueError(f"anchor position {anchor_position} is past this round's capacity ({self.capacity})")
-        if n > self.window:
-            self.extend(target_hidden[:, : n - self.window])
-            target_hidden, n = target_hidden[:, n - self.window:], self.window
-        self.features[:, :n].copy_(target_hidden)
-        self.start.fill_(self.length)
-        self.valid.fill_(n)
-        self.anchor.copy_(anchor_ids.reshape(1))
-        if not self.graph:
-            outputs = self._round()
-        else:
-            outputs = self._replay()
-        self.length += n
-        base_logits, draft_ids, sampled, hidden, *confidence = outputs
-        return DSparkDraft(
-            base_logits=base_logits,
-            draft_ids=draft_ids,
-            sampled_logits=sampled,
-            hidden_states=hidden,
-            confidence_logits=confidence[0] if confidence else None,
-            confidences=confidence[1] if confidence else None,
-            to_full_vocab=self.drafter.to_full_vocab if self.drafter.draft_vocab is not None else None,
-        )
+            write_custom_generate(save_directory, getattr(self.config, "_name_or_path", None))
 
 
 def check_target_compatibility(config: DSparkConfig, target_config) -> None:
@@ -1177,89 +748,10 @@ def _positions(start: int, length: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(start, start + length, device=like.device, dtype=torch.long).unsqueeze(0)
 
 
-def _hub_kwargs(kwargs: dict) -> dict:
-    keys = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
-    return {k: kwargs[k] for k in keys if k in kwargs}
-
-
-def _resolve(path_or_repo, filename: str, kwargs: dict) -> str | None:
-    from transformers.utils import cached_file
-
-    return cached_file(
-        path_or_repo,
-        filename,
-        _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-        **_hub_kwargs(kwargs),
-    )
-
-
-def _read_json(path_or_repo, filename: str, kwargs: dict) -> dict | None:
-    resolved = _resolve(path_or_repo, filename, kwargs)
-    if resolved is None:
-        return None
-    with open(resolved, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _load_reference_shared(path_or_repo, config: DSparkConfig, kwargs: dict) -> tuple[nn.Embedding, nn.Linear]:
-    """The embedding / LM head copies a reference-format folder carries (possibly sharded)."""
-    from safetensors import safe_open
-
-    index = _read_json(path_or_repo, "model.safetensors.index.json", kwargs)
-    files = {name: "model.safetensors" for name in TARGET_OWNED_WEIGHTS}
-    if index is not None:
-        files = {name: index["weight_map"][name] for name in TARGET_OWNED_WEIGHTS if name in index["weight_map"]}
-    tensors = {}
-    for name, filename in files.items():
-        resolved = _resolve(path_or_repo, filename, kwargs)
-        if resolved is not None:
-            with safe_open(resolved, framework="pt") as f:
-                if name in f.keys():
-                    tensors[name] = f.get_tensor(name)
-    missing = [n for n in TARGET_OWNED_WEIGHTS if n not in tensors]
-    if missing:
-        raise ValueError(f"reference-format checkpoint {path_or_repo} lacks {missing}")
-    embed = nn.Embedding(config.vocab_size, config.hidden_size)
-    lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    dtype = config.dtype if isinstance(config.dtype, torch.dtype) else tensors["lm_head.weight"].dtype
-    embed.weight = nn.Parameter(tensors["embed_tokens.weight"].to(dtype), requires_grad=False)
-    lm_head.weight = nn.Parameter(tensors["lm_head.weight"].to(dtype), requires_grad=False)
-    return embed, lm_head
-
-
-def _write_custom_generate(save_directory, source_name_or_path: str | None) -> None:
-    """Write ``custom_generate/`` (generate.py + scheduling.py + requirements.txt) next to the drafter."""
-    import shutil
-    from pathlib import Path
-
-    target = Path(save_directory) / "custom_generate"
-    target.mkdir(parents=True, exist_ok=True)
-    sources = None
-    # Where hf-dspark is installed its files are the sources; found, not imported: the package imports this module.
-    spec = importlib.util.find_spec("hf_dspark")
-    if spec is not None and spec.origin is not None:
-        package = Path(spec.origin).parent
-        sources = {"generate.py": package / "generation.py", "scheduling.py": package / "scheduling.py"}
-    elif source_name_or_path and os.path.isdir(os.path.join(source_name_or_path, "custom_generate")):
-        folder = Path(source_name_or_path) / "custom_generate"
-        sources = {name: folder / name for name in ("generate.py", "scheduling.py")}
-    if sources is None:
-        raise RuntimeError("cannot write custom_generate/: neither hf_dspark nor a source custom_generate/ is available")
-    for name, source in sources.items():
-        if Path(source).resolve() != (target / name).resolve():
-            shutil.copyfile(source, target / name)
-    (target / "requirements.txt").write_text("torch>=2.4\ntransformers>=5.24,<6\n", encoding="utf-8")
-
-
 __all__ = [
     "DSparkContextCache",
-    "DSparkDraft",
     "DSparkDrafter",
     "DSparkOutput",
     "DSparkPreTrainedModel",
-    "DSparkStaticRound",
-    "SequentialHeadLogitsProcessor",
     "check_target_compatibility",
-    "static_round_obstacle",
 ]

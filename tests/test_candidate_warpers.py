@@ -14,7 +14,7 @@ from transformers import (
     TypicalLogitsWarper,
 )
 
-from hf_dspark.modeling_dspark import DRAFT_CANDIDATES, CandidateWarpers
+from hf_dspark.draft_sampling import DRAFT_CANDIDATES, CandidateWarpers
 
 LISTS = {
     "top_p": [TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.9)],

@@ -24,11 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import hf_dspark
 from hf_dspark import DSparkDrafter
 from hf_dspark.hub import evaluation_text, load_report, training_text, write_hub_folder
 from hf_dspark.training.checkpoints import INIT_CARD
 from tests._hub_client import state_digest
-from tests.helpers import REPO, make_drafter, make_target, random_prompts
+from tests.helpers import REPO, make_drafter, make_target, python_files, random_prompts, written_code
 from tests.hub_server import HubServer
 
 BENCH_REPORT = REPO / "reports" / "bench-smollm2-fp32.json"
@@ -437,7 +438,9 @@ def test_trained_drafter_through_olah_with_smollm2(tmp_path, olah):
 
     target, tokenizer = load_smollm2(dtype=torch.float32)
     repo_id = "hf-dspark/smollm2-135m-instruct-dspark"
-    sha = commit_folder(olah.repo_dir(repo_id), TRAINED, "trained drafter")
+    folder = write_hub_folder(DSparkDrafter.from_pretrained(TRAINED, dtype="auto"), tmp_path / "trained",
+                              repo_id=repo_id)
+    sha = commit_folder(olah.repo_dir(repo_id), folder, "trained drafter")
     messages = [{"role": "user", "content": "What is 12 times 7? Answer briefly."}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     out = run_client("pull", {"repo_id": repo_id, "revision": sha, "target": str(smollm2_folder()),
@@ -450,18 +453,16 @@ def test_trained_drafter_through_olah_with_smollm2(tmp_path, olah):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct-dspark", "smollm2-135m-instruct-dflash"])
-def test_embedded_drafters_ship_the_package_code(name):
-    """The embedded drafter folders carry copies of the package's code for ``trust_remote_code`` loaders; the package
-    is their one source, so a change there must be copied into both folders (as ``save_pretrained`` would write)."""
-    import hf_dspark
-
+def test_embedded_drafters_get_the_package_code_when_written(name, tmp_path):
+    """The embedded drafter folders commit no code: written as a push writes them, they carry the package's own
+    modules byte for byte, the same files as any other drafter's folder."""
     package = Path(hf_dspark.__file__).parent
-    folder = package / "drafters" / name
-    for shipped, source in (("modeling_dspark.py", "modeling_dspark.py"),
-                            ("configuration_dspark.py", "configuration_dspark.py"),
-                            ("custom_generate/scheduling.py", "scheduling.py"),
-                            ("custom_generate/generate.py", "generation.py")):
-        assert (folder / shipped).read_bytes() == (package / source).read_bytes(), f"{name}/{shipped} is stale"
+    drafter = DSparkDrafter.from_pretrained(package / "drafters" / name, dtype="auto")
+    folder = write_hub_folder(drafter, tmp_path / name, repo_id=f"hf-dspark/{name}")
+    code = written_code(package)
+    assert python_files(folder) == set(code)
+    for shipped, source in code.items():
+        assert (folder / shipped).read_bytes() == source.read_bytes(), shipped
 
 
 def test_reports_name_the_weights_they_measured(tiny_target, tmp_path):

@@ -1,11 +1,11 @@
 """The package's import graph: no circles, and dependencies point the way docs/layout.md says.
 
-Every module of hf_dspark is parsed with ``ast`` (nothing is imported), and every ``import`` / ``from ... import``
+Every module of hf_dspark is parsed with ``ast`` (none is run for the graph), and every ``import`` / ``from ... import``
 of an hf_dspark module becomes an edge, at module level and inside functions alike: a function-level import that
 closes a circle is still a circle, only deferred. Lazy imports are fine where they point down or sideways (cli
 loading a job, a job loading the target), so the layer rule holds for both kinds. Imports under
-``if TYPE_CHECKING:`` never run and are left out. The drafter folders under ``drafters/`` are excluded: they hold
-copies of the model files for ``trust_remote_code``, and their relative imports name those copies.
+``if TYPE_CHECKING:`` never run and are left out. The drafter folders under ``drafters/`` are skipped: one written there
+(``scripts/package_drafter.py``) holds git-ignored copies of the model files, whose relative imports name those copies.
 """
 
 from __future__ import annotations
@@ -13,20 +13,24 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from hf_dspark.drafter_files import module_closure
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
 
 # docs/layout.md, "Direction of dependencies": model <- generation <- engine <- jobs <- cli (prefixes of module names).
 LAYERS = {
-    "model": ["configuration_dspark", "modeling_dspark", "scheduling", "attention", "kernels"],
+    "model": ["configuration_dspark", "modeling_dspark", "draft_sampling", "static_round", "drafter_files", "scheduling",
+              "attention", "kernels"],
     "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator"],
     "engine": ["engine"],
     "jobs": ["training", "calibration", "evaluation", "hub", "export", "demo"],
     "cli": ["cli"],
 }
 ORDER = list(LAYERS)
-# What a drafter folder carries: at module level these import only each other (docs/layout.md).
-REMOTE_CODE = {"hf_dspark.configuration_dspark", "hf_dspark.modeling_dspark", "hf_dspark.scheduling",
-               "hf_dspark.generation"}
+# What a drafter folder carries (the modules the model file and the generation module import, followed through):
+# at module level these import only each other (docs/layout.md).
+REMOTE_CODE = {f"hf_dspark.{path.stem}" for entry in ("modeling_dspark.py", "generation.py")
+               for path in module_closure(PACKAGE / entry)}
 
 
 def _modules() -> dict[str, Path]:

@@ -1,5 +1,6 @@
 """The wheel stands alone: built from the sources without build warnings and installed outside the repository, it
-carries the model card template and the embedded drafters, and its command line starts.
+carries the model card template and the embedded drafters (weights, configs and cards, no copies of the package's
+modules), and its command line starts.
 
 The wheel is installed with ``--no-deps --target`` and run with that folder on ``PYTHONPATH`` from a directory outside
 the checkout, so it reuses this environment's torch / transformers while every ``hf_dspark`` import comes from the
@@ -74,6 +75,7 @@ print(json.dumps({{
     "template": str(MODEL_CARD_TEMPLATE),
     "template_exists": MODEL_CARD_TEMPLATE.is_file(),
     "drafters": sorted(p.name for p in DRAFTERS_DIR.iterdir() if (p / "model.safetensors").is_file()),
+    "drafter_code": sorted(p.relative_to(DRAFTERS_DIR).as_posix() for p in DRAFTERS_DIR.rglob("*.py")),
     "card_head": card.splitlines()[0],
 }}))
 """
@@ -81,6 +83,7 @@ print(json.dumps({{
     assert Path(report["package"]).is_relative_to(installed), report["package"]
     assert Path(report["template"]).is_relative_to(installed) and report["template_exists"]
     assert report["drafters"] == sorted(DRAFTERS)
+    assert report["drafter_code"] == []  # the package's modules ship once; a folder gets them when it is written
     assert report["card_head"] == "---"
 
 

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from hf_dspark.generation import _static_round_for
-from hf_dspark.modeling_dspark import DSparkStaticRound
+from hf_dspark.static_round import DSparkStaticRound
 from tests.helpers import make_drafter, make_target, random_prompts
 
 CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 98.0]}

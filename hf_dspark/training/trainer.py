@@ -1,5 +1,5 @@
 """DSpark drafter trainer: online target features (or a feature cache), CE / TV / confidence losses, AdamW with
-warmup + cosine, gradient clipping and accumulation, bf16/fp32, exact resume, JSONL (+ TensorBoard) logs.
+transformers' warm-up + cosine schedule, gradient clipping and accumulation, bf16/fp32, exact resume, JSONL (+ TensorBoard) logs.
 
 Runs the same code on one CPU or, through ``accelerate launch``, on several GPUs / nodes: ``Accelerator`` handles
 device placement, data-parallel gradients and mixed precision.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import pickle
 import random
 import time
@@ -24,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import get_cosine_schedule_with_warmup
 
 from ..allocator import keep_freed_memory
 from ..configuration_dspark import DSparkConfig
@@ -324,8 +324,11 @@ class DSparkTrainer:
         if args.torch_compile:
             for layer in self.drafter.layers:  # regional compilation: the layers compiled, the rest eager
                 layer.compile()
-        warmup = max(1, int(args.warmup_ratio * args.max_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _warmup_cosine(warmup, args.max_steps))
+        # transformers' schedule (the one its Trainer uses): linear warm-up from 0, then a half cosine to 0. Its
+        # LambdaLR saves and restores with the checkpoint, so a resumed run continues the same curve.
+        self.scheduler = get_cosine_schedule_with_warmup(
+            self.optimizer, num_warmup_steps=max(1, int(args.warmup_ratio * args.max_steps)),
+            num_training_steps=args.max_steps)
         # The whole loss runs inside one module's forward, so data-parallel wrappers see every parameter used.
         loss_module = _LossModule(self.drafter, args.num_anchors, args.gamma, args.loss_weights,
                                   args.confidence_target, args.torch_compile)
@@ -748,16 +751,6 @@ def load_training_state(path: Path) -> dict:
     except pickle.UnpicklingError as err:
         raise ValueError(f"{path} holds objects other than tensors and plain values: not a training state this "
                          "trainer wrote, or an altered one; refusing to unpickle it") from err
-
-
-def _warmup_cosine(warmup: int, total: int):
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def _tensorboard(output_dir: Path):
