@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dspark", description="DSpark speculative decoding for transformers",
                                      formatter_class=ArgumentDefaultsHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=SettingsParser)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=SettingsParser,
+                                     help="the command to run (`hf-dspark COMMAND --help`: its flags)")
     for name, module in COMMANDS.items():
         sub = commands.add_parser(name, help=module.HELP, description=module.HELP,
                                   dataclass_types=[*module.SETTINGS, Output])

@@ -53,33 +53,24 @@ class SettingsParser(HfArgumentParser):
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
-        metadata = dict(field.metadata)
-        if metadata.get("cli", True) is False:
+        if field.metadata.get("cli", True) is False:
             return
-        extra = {key: metadata.pop(key) for key in CLI_KEYS if key in metadata}
-        deprecated = list(extra.get("deprecated", ()))
-        metadata["aliases"] = [*_as_list(extra.get("flag")), *_as_list(metadata.get("aliases")), *deprecated]
-        generated = dataclasses.field(metadata=MappingProxyType(metadata), default=field.default,
-                                      default_factory=field.default_factory)
-        generated.name, generated.type = field.name, field.type
-        HfArgumentParser._parse_dataclass_field(parser, generated)
-        action = next(a for a in parser._actions if a.dest == field.name and a.const is not False)
-        _adjust(action, {**extra, **({"nargs": field.metadata["nargs"]} if "nargs" in field.metadata else {})})
-        if "flag" in extra:  # shown first, so that help and messages use it
-            action.option_strings.remove(extra["flag"])
-            action.option_strings.insert(0, extra["flag"])
-        for alias in deprecated:  # still parsed, no longer shown
-            parser.deprecated[alias] = action.option_strings[0]
-            action.option_strings.remove(alias)
-            action.help += f" ({alias}: deprecated spelling)"
-        if extra.get("negative"):
-            parser.add_argument(*_as_list(extra["negative"]), dest=field.name, action="store_false", help="")
-        for each in parser._actions:
-            if each.dest == field.name:
-                _hide_snake_case(each)
-                if each.const is False:
-                    each.help = f"the same as {action.option_strings[0]} false"
+        action = _add_argument(parser, field)
+        _adjust(action, field.metadata)
+        _spellings(parser, action, field.metadata)
         _name_value(action)
+
+
+def _add_argument(parser, field: dataclasses.Field) -> argparse.Action:
+    """HfArgumentParser's argument for ``field``, given every spelling; its main action (not a ``--no-`` one)."""
+    metadata = {key: value for key, value in field.metadata.items() if key not in CLI_KEYS}
+    metadata["aliases"] = [*_as_list(field.metadata.get("flag")), *_as_list(metadata.get("aliases")),
+                           *_as_list(field.metadata.get("deprecated"))]
+    generated = dataclasses.field(metadata=MappingProxyType(metadata), default=field.default,
+                                  default_factory=field.default_factory)
+    generated.name, generated.type = field.name, field.type
+    HfArgumentParser._parse_dataclass_field(parser, generated)
+    return next(a for a in parser._actions if a.dest == field.name and a.const is not False)
 
 
 def _as_list(value) -> list:
@@ -88,12 +79,31 @@ def _as_list(value) -> list:
     return [value] if isinstance(value, str) else list(value)
 
 
-def _adjust(action: argparse.Action, extra: dict) -> None:
+def _adjust(action: argparse.Action, metadata) -> None:
     """Apply ``nargs`` / ``comma`` on top of what HfArgumentParser derived from the field's type."""
-    if "nargs" in extra:
-        action.nargs = extra["nargs"]
-    if extra.get("comma"):
+    if "nargs" in metadata:
+        action.nargs = metadata["nargs"]
+    if metadata.get("comma"):
         action.type, action.nargs = _comma_separated(action.type), None
+
+
+def _spellings(parser, action: argparse.Action, metadata) -> None:
+    """``flag`` shown first, ``negative`` spellings added, ``--snake_case`` and ``deprecated`` ones hidden (they
+    still parse), each ``--no-`` flag described by the flag it turns off."""
+    if "flag" in metadata:
+        action.option_strings.remove(metadata["flag"])
+        action.option_strings.insert(0, metadata["flag"])
+    if metadata.get("negative"):
+        parser.add_argument(*_as_list(metadata["negative"]), dest=action.dest, action="store_false", help="")
+    for each in parser._actions:
+        if each.dest == action.dest:
+            _hide_snake_case(each)
+            if each.const is False:
+                each.help = f"the same as {action.option_strings[0]} false"
+    for alias in _as_list(metadata.get("deprecated")):
+        action.option_strings.remove(alias)
+        parser.deprecated[alias] = action.option_strings[0]
+        action.help += f" ({alias}: deprecated spelling)"
 
 
 def _comma_separated(item_type):
