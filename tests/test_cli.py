@@ -75,6 +75,8 @@ def test_the_default_policy_and_sizes_show_in_generate_help(capsys):
     (["profile", "--time-budget-s", "-1"], "--time-budget-s must be >= 0"),
     (["demo", "--port", "70000"], "--port must be in [1, 65535]"),
     (["push", "--drafter", "nowhere", "--repo-id", "a/b"], "--drafter: not a drafter folder"),
+    (["bench", "--prompts", "missing.jsonl"], "--prompts: prompt file or folder not found: missing.jsonl"),
+    (["bench-serve", "--prompts", "p.jsonl", "--device", "auto", "--concurrency", "0"], "--concurrency must be >= 1"),
 ])
 def test_bad_values_exit_2_before_any_model_loads_in_the_flags_name(capsys, no_model_loads, tmp_path,
                                                                     monkeypatch, argv, message):

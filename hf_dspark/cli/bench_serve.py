@@ -14,6 +14,7 @@ from transformers.hf_argparser import HfArg
 from ..engine.bench import BENCH_PRETOUCH_MIB
 from .arguments import UsageError
 from .common import DRAFTER_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DType, require_prompts
+from .common import device as chosen_device
 from .common import setup_target
 from .policies import current_spec, engine_method
 
@@ -54,7 +55,7 @@ class ServeSettings:
     drafter: str | None = HfArg(default=None, help=DRAFTER_HELP)
     target: str | None = HfArg(default=None, help=TARGET_HELP)
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
-    device: str | None = HfArg(default=None, help="where the models run (default: cuda when available, else cpu)")
+    device: str = HfArg(default="auto", help="where the models run (auto: cuda if available, else cpu)")
     temperature: float = HfArg(default=0.0, help="0: greedy (outputs checked against plain)",
                                metadata={"bounds": (0, None)})
     top_p: float | None = HfArg(default=None, help="nucleus sampling mass (default: none)",
@@ -157,7 +158,7 @@ def run(settings: ServeSettings) -> int:
                                 pretouch_setting)
     from ..evaluation.report import environment
 
-    device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = chosen_device(settings.device)
     methods = engine_methods(settings)
     target, tokenizer, drafter, origin = _models(settings, methods, device)
     start = measurements_from_report(settings.measurements, methods) if settings.measurements else None

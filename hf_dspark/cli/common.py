@@ -35,7 +35,7 @@ MODEL_FIELDS = ("target", "drafter", "init_drafter", "ablation")
 class Output:
     """Flags every command takes."""
 
-    verbose: bool = HfArg(default=False, help="show the weight-loading progress bars and library warnings")
+    verbose: bool = HfArg(default=False, help="show the weight-loading and download progress bars")
 
 
 def looks_like_path(value: str) -> bool:
@@ -67,10 +67,14 @@ def check_model_paths(settings, flag_of) -> None:
 
 
 def require_prompts(paths: list[str], flag: str) -> None:
-    """Refuse prompt files / folders that hold no prompt."""
+    """Refuse prompt files / folders that are missing or hold no prompt."""
     from ..prompts import load_prompts
 
-    if not load_prompts(paths):
+    try:
+        prompts = load_prompts(paths)
+    except FileNotFoundError as err:
+        raise UsageError(f"{flag}: {err}") from None
+    if not prompts:
         raise UsageError(f"{flag}: no prompts in {' '.join(paths)}")
 
 

@@ -9,7 +9,7 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from ..training.data import RegenerationSettings
-from .common import TARGET_HELP, THREADS_HELP, device, load_target, DTYPES, require_prompts
+from .common import DTYPES, TARGET_HELP, THREADS_HELP, device, load_target, require_prompts
 
 HELP = "regenerate training responses with the target (sharded, resumable)"
 
