@@ -65,6 +65,8 @@ def test_the_default_policy_and_sizes_show_in_generate_help(capsys):
     (["bench", "--prompts", "p.jsonl", "--policies", "threshold=2"], "the threshold must be in [0, 1]"),
     (["bench", "--prompts", "p.jsonl", "--policies", "sometimes"], "--policies: unknown policy 'sometimes'"),
     (["bench-serve", "--prompts", "p.jsonl", "--policies", "threshold"], "threshold runs in generate() only"),
+    (["bench-serve", "--prompts", "p.jsonl", "--policies", "plain", "fixed", "--schedule", "topk"],
+     "--schedule applies to the scheduler and hybrid policies only"),
     (["bench-serve", "--prompts", "p.jsonl", "--top-p", "1.5"], "--top-p must be in [0, 1], got 1.5"),
     (["data", "--prompts", "p.jsonl", "--output", "o", "--max-prompts", "0"], "--max-prompts must be >= 1"),
     (["train", "--data", "d", "--output", "o", "--lr", "-1"], "--learning-rate must be >= 0"),

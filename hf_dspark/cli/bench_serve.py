@@ -85,6 +85,8 @@ class ServeSettings:
 
 
 SETTINGS = (ServeSettings,)
+# the policies that share the verification budget by --schedule
+SCHEDULED_POLICIES = ("scheduler", "hybrid")
 # report settings written under an older name
 LEGACY_SETTINGS = {"policies": "methods"}
 
@@ -115,6 +117,9 @@ def _check_policies(settings: ServeSettings) -> None:
     from ..engine.bench import lockstep_pairs, parse_method
 
     settings.policies = [current_spec(spec, "--policies") for spec in settings.policies]
+    scheduled = [spec for spec in settings.policies if spec.split(",")[0].split("=")[0] in SCHEDULED_POLICIES]
+    if settings.schedule != ServeSettings.schedule and not scheduled:
+        raise UsageError(f"--schedule applies to the {' and '.join(SCHEDULED_POLICIES)} policies only")
     try:
         specs = {method: parse_method(method, settings.schedule) for method in engine_methods(settings)}
         if settings.lockstep == "pairs":
