@@ -114,7 +114,8 @@ def test_old_spellings_still_parse_with_a_note(capsys):
     (profile,) = parsed(["profile", "--time-budget", "5"])
     assert profile.time_budget_s == 5.0
     err = capsys.readouterr().err
-    assert "--methods is deprecated; use --policies" in err and "--time-budget is deprecated; use --time-budget-s" in err
+    assert "--methods is deprecated; use --policies" in err
+    assert "--time-budget is deprecated; use --time-budget-s" in err
     from hf_dspark.cli.bench_serve import _check_policies, engine_methods
 
     _check_policies(serve)  # today's names in the settings, the engine's in what it runs

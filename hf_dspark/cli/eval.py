@@ -60,7 +60,10 @@ def check(settings: EvalSettings, job: EvalJob) -> None:
     for path in job.benchmarks_include:  # refused now, not after the evaluation has run
         if not Path(path).is_file():
             raise UsageError(f"--benchmarks-include: no such file {path}")
-        included_markdown(path)
+        try:
+            included_markdown(path)
+        except ValueError as err:
+            raise UsageError(f"--benchmarks-include: {err}") from None
     if job.render_only:
         if not (Path(job.output) / "report.json").is_file():
             raise UsageError(f"--render-only: no {Path(job.output) / 'report.json'} (run the evaluation first)")

@@ -11,13 +11,14 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
-from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType, setup_target
+from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
+from .common import setup_target
 from .policies import POLICY_HELP, generation_policy
 
 HELP = "DSpark-assisted greedy generation vs plain generate(): tokens/s, tau"
-BF16_NOTE = ("bfloat16 rounds near-tied logits differently in a multi-token verification forward than in plain "
-             "decoding's one-token forwards, so the two greedy texts can part at such a tie (float32 gives identical "
-             "output); the speedup compares tokens/s, whatever each run's length")
+ROUNDING_NOTE = ("{dtype} rounds near-tied logits differently in a multi-token verification forward than in plain "
+                 "decoding's one-token forwards, so the two greedy texts can part at such a tie (float32 gives "
+                 "identical output); the speedup compares tokens/s, whatever each run's length")
 
 
 @dataclass
@@ -38,7 +39,8 @@ class GenerateSettings:
                                    "one (as generate(stop_strings=))", metadata={"metavar": "STRING"})
     seed: int = HfArg(default=0, help=SEED_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
-    json: bool = HfArg(default=False, help="print only a JSON summary on stdout (progress and text on stderr)")
+    json: bool = HfArg(default=False, help="print only a JSON summary on stdout (progress on stderr, the text not "
+                                  "streamed)")
 
 
 SETTINGS = (GenerateSettings,)
@@ -152,7 +154,7 @@ def compare(results: dict, stats, dtype: str) -> dict:
     summary["speedup"] = results["dspark"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
     summary["identical_output"] = results["plain"]["ids"] == results["dspark"]["ids"]
     if not summary["identical_output"] and dtype != "float32":
-        summary["note"] = BF16_NOTE
+        summary["note"] = ROUNDING_NOTE.format(dtype=dtype)
     return summary
 
 

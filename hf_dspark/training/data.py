@@ -37,7 +37,8 @@ class RegenerationSettings:
     """What the target regenerates: which prompts, in what order, sampled how (``help`` is the flag's text)."""
 
     prompt_paths: list[str] = field(metadata={
-        "flag": "--prompts", "help": "prompt .jsonl files or folders (JSON Lines, one prompt per line: see data/README.md)"})
+        "flag": "--prompts",
+        "help": "prompt .jsonl files or folders (JSON Lines, one prompt per line: see data/README.md)"})
     shard_size: int = field(default=64, metadata={"help": "prompts per shard (the unit a rerun resumes from)",
                                                   "bounds": (1, None)})
     batch_size: int = field(default=16, metadata={"help": "prompts sampled at once", "bounds": (1, None)})
