@@ -20,7 +20,7 @@ exec .venv/bin/hf-dspark bench-serve \
     --drafter hf_dspark/drafters/smollm2-135m-instruct-dspark \
     --num-prompts 64 --max-new-tokens 256 \
     --concurrency 1 4 16 64 \
-    --methods plain fixed scheduled \
+    --policies plain fixed scheduler \
     --dtype "$DTYPE" \
     --output "reports/bench-serve-smollm2-$TAG.json" \
     --markdown "reports/bench-serve-smollm2-$TAG.md" \

@@ -108,7 +108,8 @@ def test_bench_serve_renders_an_earlier_report(tmp_path, capsys):
     rebuilt from the report's settings when the report does not record it, and refuses what it cannot render."""
     import json
 
-    from hf_dspark.cli import main, serve_command
+    from hf_dspark.cli import main
+    from hf_dspark.cli.bench_serve import serve_command
     from hf_dspark.evaluation.report import included_markdown
 
     report = tmp_path / "serve.json"
@@ -117,7 +118,7 @@ def test_bench_serve_renders_an_earlier_report(tmp_path, capsys):
     assert main(["bench-serve", "--from-report", str(report), "--markdown", str(md)]) == 0
     command = serve_command(_serve_payload()["settings"])
     assert command == ("hf-dspark bench-serve --prompts eval --num-prompts 4 --max-new-tokens 32 --concurrency 1 16 "
-                       "--methods plain scheduled --repeats 2 --lockstep pairs --dtype bfloat16 --threads 2 "
+                       "--policies plain scheduled --repeats 2 --lockstep pairs --dtype bfloat16 --threads 2 "
                        "--output serve.json")
     assert f"- Command: `{command}`" in md.read_text()
     assert included_markdown(md).startswith("## Batched serving: bfloat16")

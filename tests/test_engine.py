@@ -1697,19 +1697,19 @@ def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_l
 def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
     from hf_dspark.cli import main
 
-    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--concurrency", "1", "4"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--concurrency", "1", "4"]) == 2
     err = capsys.readouterr().err
     assert "--interleave" in err and "needs --concurrency 1, got 1 4" in err
-    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--cold-engines"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--cold-engines"]) == 2
     err = capsys.readouterr().err
     assert "long-lived engine" in err and "--cold-engines" in err
-    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--lockstep"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--interleave", "--lockstep"]) == 2
     assert "choose one" in capsys.readouterr().err
-    assert main(["bench-serve", "--prompts", "nowhere", "--lockstep", "pairs", "--methods", "fixed", "fixed=2"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--lockstep", "pairs", "--methods", "fixed", "fixed=2"]) == 2
     assert "would be compared with nothing" in capsys.readouterr().err
-    assert main(["bench-serve", "--prompts", "nowhere", "--dynamic-allocator", "--pretouch", "64"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--dynamic-allocator", "--pretouch", "64"]) == 2
     assert "--pretouch goes with the pinned allocator" in capsys.readouterr().err
-    assert main(["bench-serve", "--prompts", "nowhere", "--pretouch", "-1"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--pretouch", "-1"]) == 2
     assert "--pretouch must be >= 0 MiB" in capsys.readouterr().err
 
 
@@ -1751,7 +1751,7 @@ def test_measurement_script_arguments():
 def test_cli_bench_serve_rejects_unknown_method(capsys):
     from hf_dspark.cli import main
 
-    assert main(["bench-serve", "--prompts", "nowhere", "--methods", "plain", "speculative"]) == 1
+    assert main(["bench-serve", "--prompts", "nowhere", "--policies", "plain", "speculative"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown method 'speculative'" in err[0]
 

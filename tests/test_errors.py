@@ -156,7 +156,7 @@ def test_cli_says_a_missing_local_folder_is_missing(tmp_path, capsys, monkeypatc
 
 
 def test_hub_repo_ids_are_not_local_paths():
-    from hf_dspark.cli import _looks_like_path
+    from hf_dspark.cli.common import looks_like_path
 
-    assert not any(map(_looks_like_path, ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "smollm2"]))
-    assert all(map(_looks_like_path, [".", "./d", "../d", "/d", "~/d", "a/b/c", "a/"]))
+    assert not any(map(looks_like_path, ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "smollm2"]))
+    assert all(map(looks_like_path, [".", "./d", "../d", "/d", "~/d", "a/b/c", "a/"]))

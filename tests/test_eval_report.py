@@ -95,7 +95,7 @@ def tiny_setup():
     return target, tokenizer
 
 
-def test_tiny_end_to_end_report(tmp_path, tiny_setup, monkeypatch):
+def test_tiny_end_to_end_report(tmp_path, tiny_setup, monkeypatch, capsys):
     target, tokenizer = tiny_setup
     data = tmp_path / "data"
     data.mkdir()
@@ -174,11 +174,12 @@ def test_tiny_end_to_end_report(tmp_path, tiny_setup, monkeypatch):
     assert "2026-01-01 00:00 UTC" in rendered and "--render-only" in rendered
     assert rendered.rstrip().endswith("## Draft sources\n\n| set | plain |")
     assert "report/speed_t0.0.png" in rendered  # the plots already there are linked
-    with pytest.raises(SystemExit, match="no such file"):
-        main(["eval", "--output", str(out), "--render-only", "--benchmarks", str(page),
-              "--benchmarks-include", str(tmp_path / "missing.md")])
-    with pytest.raises(SystemExit, match="needs --data"):
-        main(["eval", "--output", str(tmp_path / "new")])
+    capsys.readouterr()
+    assert main(["eval", "--output", str(out), "--render-only", "--benchmarks", str(page),
+                 "--benchmarks-include", str(tmp_path / "missing.md")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["eval", "--output", str(tmp_path / "new")]) == 2
+    assert "needs --data" in capsys.readouterr().err
 
 
 def test_incomplete_report_names_the_phases_to_rerun(tmp_path):

@@ -62,8 +62,8 @@ def test_load_default(smollm2):
 
 @pytest.mark.parametrize("policy", [None, "threshold"])
 def test_main_command_generate(capsys, smollm2, policy):
-    """The README's main job (`hf-dspark generate`) on the embedded default: identical output, JSON summary; by
-    default the hybrid policy drafts (the embedded drafter has a confidence head)."""
+    """The README's main job (`hf-dspark generate`) on the embedded default: identical output, a JSON summary alone
+    on stdout; by default the hybrid policy drafts (the embedded drafter has a confidence head)."""
     import json
 
     from hf_dspark.cli import main
@@ -74,10 +74,10 @@ def test_main_command_generate(capsys, smollm2, policy):
         assert main(["generate", "--max-new-tokens", "12", "--threads", "1", "--json", *extra]) == 0
     finally:
         torch.set_num_threads(threads)  # the CLI sets the process-wide thread count
-    out = capsys.readouterr().out
-    assert f"verification policy: {policy or 'hybrid'}" in out
-    assert "identical output: True" in out
-    summary = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    assert f"verification policy: {policy or 'hybrid'}" in captured.err
+    summary = json.loads(captured.out)  # --json: stdout holds the summary alone
+    assert summary["identical_output"]
     assert summary["plain"]["tokens"] == summary["dspark"]["tokens"] == 12
     assert summary["stats"]["rounds"] >= 1
 

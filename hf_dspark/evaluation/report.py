@@ -40,18 +40,26 @@ TRANSFORMERS_DFLASH_REASON = (
 
 @dataclass
 class EvalSettings:
-    data: list[str]
-    num_prompts: int = 50
-    max_new_tokens: int = 256
-    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    speed_prompts: int = 10
-    speed_temperatures: list[float] | None = None  # default: the same as ``temperatures``
-    speed_threshold: float = 0.5
-    thresholds: list[float] = field(default_factory=lambda: list(DEFAULT_THRESHOLDS))
-    prompt_lookup: int = 7
-    scheduler: bool = True
-    multi_turn: bool = True
-    seed: int = 0
+    """What an evaluation measures (each field's ``help`` is its ``hf-dspark eval`` flag's text)."""
+
+    data: list[str] = field(metadata={"help": "prompt .jsonl files or folders (JSON Lines, see data/README.md); "
+                                              "required unless --render-only"})
+    num_prompts: int = field(default=50, metadata={"help": "prompts per set for the acceptance analyses"})
+    max_new_tokens: int = field(default=256, metadata={"help": "tokens generated per turn"})
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0],
+                                      metadata={"help": "sampling temperatures analysed (0: greedy)"})
+    speed_prompts: int = field(default=10, metadata={"help": "prompts per set for the timed comparison"})
+    speed_temperatures: list[float] | None = field(default=None, metadata={
+        "help": "temperatures for the timed comparison (default: --temperatures)", "nargs": "*"})
+    speed_threshold: float = field(default=0.5, metadata={"help": "threshold of the timed threshold policy"})
+    thresholds: list[float] = field(default_factory=lambda: list(DEFAULT_THRESHOLDS),
+                                    metadata={"help": "static-threshold sweep values"})
+    prompt_lookup: int = field(default=7, metadata={"help": "prompt-lookup tokens (0: skip that baseline)"})
+    scheduler: bool = field(default=True, metadata={"help": "time the scheduler policy (--no-scheduler: skip it)"})
+    multi_turn: bool = field(default=True, metadata={"help": "roll out every turn of multi-turn prompts "
+                                                             "(--first-turn-only: the first turn only)",
+                                                     "negative": "--first-turn-only"})
+    seed: int = field(default=0, metadata={"help": "random seed (prompt sampling, sampled decoding)"})
 
     def __post_init__(self):
         if self.num_prompts < 1 or self.max_new_tokens < 1 or self.speed_prompts < 0:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..prompts import iter_regenerated  # noqa: F401  (re-exported: it lived here)
-from ..prompts import excluded_prompt_ids, load_prompts, sample_prompts
+from ..prompts import SAMPLINGS, excluded_prompt_ids, load_prompts, sample_prompts
 from .checkpoints import publish, write_atomic
 
 logger = logging.getLogger(__name__)
@@ -34,17 +34,29 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RegenerationSettings:
-    prompt_paths: list[str]
-    shard_size: int = 64
-    batch_size: int = 16
-    max_new_tokens: int = 256
-    temperature: float = 0.2  # SmolLM2-Instruct's recommended sampling
-    top_p: float = 0.9
-    seed: int = 0
-    max_prompts: int | None = None
-    dtype: str = "bfloat16"
-    exclude: list[str] = field(default_factory=list)  # prompt ids to skip (see prompts.excluded_prompt_ids)
-    sampling: str = "shuffled"  # prompt order, cut by max_prompts (see prompts.sample_prompts)
+    """What the target regenerates: which prompts, in what order, sampled how (``help`` is the flag's text)."""
+
+    prompt_paths: list[str] = field(metadata={
+        "flag": "--prompts",
+        "help": "prompt .jsonl files or folders (JSON Lines, one prompt per line: see data/README.md)"})
+    shard_size: int = field(default=64, metadata={"help": "prompts per shard (the unit a rerun resumes from)",
+                                                  "bounds": (1, None)})
+    batch_size: int = field(default=16, metadata={"help": "prompts sampled at once", "bounds": (1, None)})
+    max_new_tokens: int = field(default=256, metadata={"help": "longest response per turn", "bounds": (1, None)})
+    temperature: float = field(default=0.2, metadata={"help": "sampling temperature (SmolLM2-Instruct's "
+                                                                "recommended 0.2)", "bounds": (0, None)})
+    top_p: float = field(default=0.9, metadata={"help": "nucleus sampling mass", "bounds": (0, 1)})
+    seed: int = field(default=0, metadata={"help": "seed of the prompt order and the sampling"})
+    max_prompts: int | None = field(default=None, metadata={"help": "regenerate at most this many prompts "
+                                                                      "(default: all)", "bounds": (1, None)})
+    dtype: str = field(default="bfloat16", metadata={"help": "the target's weight dtype",
+                                                     "choices": ["bfloat16", "float16", "float32"]})
+    exclude: list[str] = field(default_factory=list, metadata={
+        "help": "prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "
+                "or text files of prompt ids, one per line (see prompts.excluded_prompt_ids)", "nargs": "*"})
+    sampling: str = field(default="shuffled", metadata={
+        "help": "order the prompts are taken in (and cut by --max-prompts): uniformly shuffled, or balanced "
+                "round-robin over the prompt sets", "choices": SAMPLINGS})
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:

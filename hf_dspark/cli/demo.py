@@ -1,0 +1,39 @@
+"""``hf-dspark demo``: the Gradio demo, plain and DSpark generate() streaming side by side, offline."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.hf_argparser import HfArg
+
+from .common import DTYPES, THREADS_HELP, DType
+
+HELP = "Gradio demo: plain vs DSpark streaming side by side, drafts per round"
+
+
+@dataclass
+class DemoSettings:
+    host: str = HfArg(default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    port: int | None = HfArg(default=None, help="port (default: the first free one from 7860)",
+                             metadata={"bounds": (1, 65535)})
+    drafter: str | None = HfArg(default=None, help="drafter folder (default: the embedded drafter)")
+    dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
+    max_new_tokens: int = HfArg(default=128, help="the UI's initial max new tokens", metadata={"bounds": (1, None)})
+    threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+
+
+SETTINGS = (DemoSettings,)
+
+
+def run(settings: DemoSettings) -> int:
+    """Serves the demo on SmolLM2-135M-Instruct until interrupted."""
+    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
+
+    from ..demo import launch_default
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    launch_default(host=settings.host, port=settings.port, drafter=settings.drafter, dtype=DTYPES[settings.dtype],
+                   max_new_tokens=settings.max_new_tokens)
+    return 0

@@ -1,0 +1,170 @@
+"""``hf-dspark generate``: DSpark-assisted greedy generation next to plain greedy generation."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers.hf_argparser import HfArg
+
+from .arguments import UsageError
+from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
+from .common import setup_target
+from .policies import POLICY_HELP, generation_policy
+
+HELP = "DSpark-assisted greedy generation vs plain generate(): tokens/s, tau"
+ROUNDING_NOTE = ("{dtype} rounds near-tied logits differently in a multi-token verification forward than in plain "
+                 "decoding's one-token forwards, so the two greedy texts can part at such a tie (float32 gives "
+                 "identical output); the speedup compares tokens/s, whatever each run's length")
+
+
+@dataclass
+class GenerateSettings:
+    target: str | None = HfArg(default=None, help=TARGET_HELP)
+    drafter: str | None = HfArg(default=None, help=DRAFTER_HELP)
+    prompt: str = HfArg(default="Write a Python function that checks whether a number is prime.",
+                        help="the user message (sent through the chat template); chat text gains about 1.0x on a "
+                             "CPU, code, math and repetitive text 1.4-2x")
+    max_new_tokens: int = HfArg(default=128, help="tokens to generate", metadata={"bounds": (1, None)})
+    dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
+    policy: str | None = HfArg(default=None, help="verification policy: " + POLICY_HELP + " | a registered policy "
+                               "(default: hybrid for drafters with a confidence head, else fixed)")
+    threshold: float | None = HfArg(default=None, help="confidence threshold of --policy threshold "
+                                    "(default: the drafter's, 0.5)", metadata={"bounds": (0, 1)})
+    draft_round: DraftRound | None = HfArg(default=None, help=DRAFT_ROUND_HELP)
+    stop: list[str] | None = HfArg(default=None, help="stop strings: both runs end where the text first contains "
+                                   "one (as generate(stop_strings=))", metadata={"metavar": "STRING"})
+    seed: int = HfArg(default=0, help=SEED_HELP)
+    threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    json: bool = HfArg(default=False, help="print only a JSON summary on stdout (progress on stderr, the text not "
+                                  "streamed)")
+
+
+SETTINGS = (GenerateSettings,)
+
+
+def check(settings: GenerateSettings) -> None:
+    """The policy exists, and --threshold comes with --policy threshold."""
+    if settings.policy is not None:
+        settings.policy = generation_policy(settings.policy, "--policy")
+    if settings.threshold is not None and settings.policy != "threshold":
+        raise UsageError("--threshold applies to --policy threshold only")
+
+
+def run(settings: GenerateSettings) -> int:
+    """Prints what it is doing on stderr (loading, the one-time GGUF conversion and SPS profiling), streams the
+    DSpark run's text as it is generated (not with --json), runs plain generation, then compares the two."""
+    torch.manual_seed(settings.seed)
+    started = time.perf_counter()
+    target, tokenizer, drafter, origin, policy = _load(settings)
+    messages = [{"role": "user", "content": settings.prompt}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    options = dict(max_new_tokens=settings.max_new_tokens, do_sample=False)
+    if settings.stop:
+        options.update(stop_strings=list(settings.stop), tokenizer=tokenizer)
+    runs = (("dspark", {"assistant_model": drafter}), ("plain", {}))
+    for _, extra in runs:  # warm-up (first-call costs) outside the timed runs
+        target.generate(**inputs, **{**options, "max_new_tokens": 4}, **extra)
+    _step(f"ready after {time.perf_counter() - started:.0f} s")
+    human = sys.stderr if settings.json else sys.stdout
+    print(f"target: {settings.target or 'SmolLM2-135M-Instruct'} ({settings.dtype}); drafter: {origin}; "
+          f"verification policy: {policy}", file=human, flush=True)
+    results = _timed_runs(target, tokenizer, inputs, options, runs, stream=not settings.json)
+    summary = compare(results, drafter.last_stats, settings.dtype)
+    if settings.json:
+        print(json.dumps(summary))
+    else:
+        print("\n".join(summary_lines(summary)))
+    return 0
+
+
+def _step(message: str) -> None:
+    print(f"[generate] {message}", file=sys.stderr, flush=True)
+
+
+def _load(settings: GenerateSettings):
+    """The target, the drafter set to the policy (the SPS profile made where the policy reads it), and its name."""
+    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
+
+    from ..defaults import load_drafter_for
+
+    if settings.target is None:
+        from ..target import smollm2_converted
+
+        if not smollm2_converted():
+            _step("converting the SmolLM2-135M-Instruct GGUF file to a cached safetensors folder (once, ~20 s)")
+    _step(f"loading the target ({settings.dtype})")
+    target, tokenizer, dtype = setup_target(settings)
+    drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
+    # Default: the hybrid (drafter block or prompt lookup, whichever the cost model prices higher) where the drafter
+    # has a confidence head, else whole blocks.
+    policy = settings.policy or ("hybrid" if drafter.confidence_head is not None else "fixed")
+    drafter.generation_config.verification_policy = policy
+    if settings.threshold is not None:
+        drafter.generation_config.confidence_threshold = settings.threshold
+    if settings.draft_round is not None:
+        drafter.generation_config.draft_round = settings.draft_round
+    if policy in ("scheduler", "hybrid"):
+        _profile(target, drafter)
+    return target, tokenizer, drafter, origin, policy
+
+
+def _profile(target, drafter) -> None:
+    from ..generation import sps_width
+    from ..profiling import load_or_profile, profile_path
+
+    if not profile_path(target).is_file():
+        _step("profiling the target's steps per second by verification width (once per machine, dtype and thread "
+              "count; cached)")
+    load_or_profile(target, sps_width(drafter))
+
+
+def _timed_runs(target, tokenizer, inputs, options, runs, stream: bool) -> dict:
+    """Each run's new tokens, seconds and tokens/s; the DSpark run streams its text (decoding each accepted chunk
+    costs microseconds beside a forward)."""
+    from transformers import TextStreamer
+
+    results = {}
+    prompt_length = inputs["input_ids"].shape[1]
+    for name, extra in runs:
+        streamer = None
+        if name == "dspark" and stream:
+            print("-" * 60, flush=True)
+            streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        start = time.perf_counter()
+        out = target.generate(**inputs, **options, **extra, streamer=streamer)
+        elapsed = time.perf_counter() - start
+        if streamer is not None:
+            print("-" * 60, flush=True)
+        if name == "dspark":
+            _step("plain greedy generate() for comparison")
+        ids = out[0, prompt_length:].tolist()
+        results[name] = {"tokens": len(ids), "seconds": elapsed, "tokens_per_s": len(ids) / elapsed, "ids": ids}
+    return results
+
+
+def compare(results: dict, stats, dtype: str) -> dict:
+    """The runs without their ids, the DSpark statistics, the speedup as a ratio of tokens/s (per token: runs of
+    different lengths compare fairly) and whether the outputs are identical (with why not, in bfloat16)."""
+    summary = {name: {k: v for k, v in r.items() if k != "ids"} for name, r in results.items()}
+    summary["stats"] = stats.to_dict()
+    summary["speedup"] = results["dspark"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
+    summary["identical_output"] = results["plain"]["ids"] == results["dspark"]["ids"]
+    if not summary["identical_output"] and dtype != "float32":
+        summary["note"] = ROUNDING_NOTE.format(dtype=dtype)
+    return summary
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The comparison as the terminal shows it."""
+    plain, dspark, stats = summary["plain"], summary["dspark"], summary["stats"]
+    lines = [f"plain greedy : {plain['tokens']} tokens, {plain['tokens_per_s']:.1f} tok/s",
+             f"DSpark greedy: {dspark['tokens']} tokens, {dspark['tokens_per_s']:.1f} tok/s, "
+             f"accepted length tau={stats['accepted_length']:.2f} over {stats['rounds']} rounds",
+             f"speedup {summary['speedup']:.2f}x (tokens/s); identical output: {summary['identical_output']}"]
+    if "note" in summary:
+        lines.append(f"note: {summary['note']}")
+    return lines

@@ -1,0 +1,200 @@
+"""The command line: every command's help, errors refused before any model loads (exit 2, in the flag's own name),
+old spellings, ``--json`` output, quiet progress bars, and the policy-name table."""
+
+import json
+
+import pytest
+import torch
+
+from hf_dspark.cli import COMMANDS, build_parser, main, subparser
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Loading a target or a drafter fails the test: what these commands refuse, they refuse before loading."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    import transformers
+
+    import hf_dspark.defaults
+    import hf_dspark.target
+
+    monkeypatch.setattr(hf_dspark.target, "load_smollm2", refuse)
+    monkeypatch.setattr(hf_dspark.defaults, "load_drafter_for", refuse)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.fixture
+def progress_bars():
+    """The transformers / huggingface_hub progress bars turned back on after the test."""
+    from huggingface_hub.utils import enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    yield transformers_logging
+    transformers_logging.enable_progress_bar()
+    enable_progress_bars()
+
+
+@pytest.mark.parametrize("command", ["", *COMMANDS])
+def test_every_help_shows_each_flag_described_with_its_default(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"] if command else ["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "(default: " in text
+    parser = subparser(build_parser(), command) if command else build_parser()
+    for action in parser._actions:
+        assert action.help, f"{command} {action.option_strings}: no help"
+
+
+def test_the_default_policy_and_sizes_show_in_generate_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 128)" in text and "(default: float32)" in text and "default: hybrid" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "--policy", "nonsense"], "--policy: unknown policy 'nonsense'; choose from fixed, threshold"),
+    (["generate", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3"),
+    (["generate", "--policy", "threshold", "--threshold", "7"], "--threshold must be in [0, 1], got 7"),
+    (["generate", "--threshold", "0.4"], "--threshold applies to --policy threshold only"),
+    (["generate", "--policy", "fixed", "--threshold", "0.4"], "--threshold applies to --policy threshold only"),
+    (["bench", "--prompts", "p.jsonl", "--policies", "threshold=2"], "the threshold must be in [0, 1]"),
+    (["bench", "--prompts", "p.jsonl", "--policies", "sometimes"], "--policies: unknown policy 'sometimes'"),
+    (["bench-serve", "--prompts", "p.jsonl", "--policies", "threshold"], "threshold runs in generate() only"),
+    (["bench-serve", "--prompts", "p.jsonl", "--policies", "plain", "fixed", "--schedule", "topk"],
+     "--schedule applies to the scheduler and hybrid policies only"),
+    (["bench-serve", "--prompts", "p.jsonl", "--top-p", "1.5"], "--top-p must be in [0, 1], got 1.5"),
+    (["data", "--prompts", "p.jsonl", "--output", "o", "--max-prompts", "0"], "--max-prompts must be >= 1"),
+    (["train", "--data", "d", "--output", "o", "--lr", "-1"], "--learning-rate must be >= 0"),
+    (["train", "--data", "d", "--output", "o", "--warmup-ratio", "2"], "--warmup-ratio must be in [0, 1]"),
+    (["eval", "--data", "d", "--output", "o", "--speed-prompts", "60"],
+     "--speed-prompts (60) cannot exceed --num-prompts (50)"),
+    (["eval", "--data", "d", "--output", "o", "--num-shards", "2"], "--num-shards and --shard-index go together"),
+    (["profile", "--time-budget-s", "-1"], "--time-budget-s must be >= 0"),
+    (["demo", "--port", "70000"], "--port must be in [1, 65535]"),
+    (["push", "--drafter", "nowhere", "--repo-id", "a/b"], "--drafter: not a drafter folder"),
+    (["bench", "--prompts", "missing.jsonl"], "--prompts: prompt file or folder not found: missing.jsonl"),
+    (["bench-serve", "--prompts", "p.jsonl", "--device", "auto", "--concurrency", "0"], "--concurrency must be >= 1"),
+])
+def test_bad_values_exit_2_before_any_model_loads_in_the_flags_name(capsys, no_model_loads, tmp_path,
+                                                                    monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "Hi"}) + "\n")
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("hf-dspark: error: ") and message in lines[-1], lines
+
+
+def test_argparse_own_errors_exit_2(capsys, no_model_loads):
+    for argv in (["generate", "--dtype", "float64"], ["generate", "--max-new-tokens", "many"], ["nonsense"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def parsed(argv):
+    """The settings ``argv`` gives its command, and what was printed on stderr while parsing."""
+    from hf_dspark.cli.arguments import build_settings, note_deprecated
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = subparser(parser, args.command)
+    note_deprecated(sub, argv)
+    return build_settings(sub, args, COMMANDS[args.command].SETTINGS)
+
+
+def test_old_spellings_still_parse_with_a_note(capsys):
+    (serve,) = parsed(["bench-serve", "--methods", "plain", "scheduled"])
+    assert serve.policies == ["plain", "scheduled"]
+    (profile,) = parsed(["profile", "--time-budget", "5"])
+    assert profile.time_budget_s == 5.0
+    err = capsys.readouterr().err
+    assert "--methods is deprecated; use --policies" in err
+    assert "--time-budget is deprecated; use --time-budget-s" in err
+    from hf_dspark.cli.bench_serve import _check_policies, engine_methods
+
+    _check_policies(serve)  # today's names in the settings, the engine's in what it runs
+    assert serve.policies == ["plain", "scheduler"] and engine_methods(serve) == ["plain", "scheduled"]
+    assert "--policies scheduled is deprecated; use scheduler" in capsys.readouterr().err
+
+
+def test_short_and_negative_spellings():
+    (train,) = parsed(["train", "--data", "d", "--output", "o", "--lr", "1e-3", "--grad-accum", "2",
+                       "--no-confidence-head", "--num-layers", "3", "--target-layer-ids", "28,29", "--lora"])
+    assert (train.learning_rate, train.gradient_accumulation_steps, train.enable_confidence_head) == (1e-3, 2, False)
+    assert (train.num_hidden_layers, train.target_layer_ids, train.lora) == (3, [28, 29], True)
+    assert train.mixed_precision == "auto"  # the command line's default; the Python API's stays "no"
+    evaluation, job = parsed(["eval", "--output", "o", "--data", "d", "--first-turn-only", "--no-scheduler"])
+    assert not evaluation.multi_turn and not evaluation.scheduler and job.phases == ["quality", "speed"]
+    (push,) = parsed(["push", "--drafter", "d", "--repo-id", "a/b", "--branch", "dev"])
+    assert push.revision == "dev"
+    regeneration, _ = parsed(["data", "--prompts", "p", "--output", "o", "--exclude"])
+    assert regeneration.dtype == "float32" and regeneration.exclude == []
+
+
+def test_policy_names_reach_registered_policies_and_engine_methods():
+    from hf_dspark.cli.policies import POLICIES
+    from hf_dspark.engine.batching import METHODS
+    from hf_dspark.scheduling import VERIFICATION_POLICIES
+
+    assert {policy for policy, _ in POLICIES.values()} <= set(VERIFICATION_POLICIES)
+    assert {method for _, method in POLICIES.values() if method} <= set(METHODS)
+
+
+class FakeStats:
+    def to_dict(self):
+        return {"accepted_length": 2.5, "rounds": 4}
+
+
+class FakeModel:
+    """Stands in for the target (``generate``) and the drafter (``last_stats``): 10 new tokens with a drafter,
+    8 without, the texts different."""
+
+    last_stats = FakeStats()
+
+    def generate(self, input_ids, max_new_tokens, assistant_model=None, **kwargs):
+        width = 10 if assistant_model is not None else 8
+        return torch.cat([input_ids, torch.full((1, min(width, max_new_tokens)), 1 if assistant_model else 2)], 1)
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, *args, **kwargs):
+        return {"input_ids": torch.tensor([[5, 6, 7]])}
+
+
+def test_generate_json_prints_only_json_on_stdout(capsys, monkeypatch):
+    import hf_dspark.cli.generate as generate
+
+    model = FakeModel()
+    monkeypatch.setattr(generate, "_load", lambda settings: (model, FakeTokenizer(), model, "fake", "fixed"))
+    assert main(["generate", "--json", "--dtype", "bfloat16"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert "verification policy: fixed" in captured.err
+    assert summary["dspark"]["tokens"] == 10 and summary["plain"]["tokens"] == 8
+    ratio = summary["dspark"]["tokens_per_s"] / summary["plain"]["tokens_per_s"]
+    assert summary["speedup"] == pytest.approx(ratio)  # per token: runs of different lengths compare fairly
+    assert not summary["identical_output"] and "near-tied logits" in summary["note"]
+
+
+def test_generate_explains_a_bf16_difference_where_it_prints_it(capsys, monkeypatch):
+    import hf_dspark.cli.generate as generate
+
+    model = FakeModel()
+    monkeypatch.setattr(generate, "_load", lambda settings: (model, FakeTokenizer(), model, "fake", "fixed"))
+    assert main(["generate", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "(tokens/s); identical output: False" in out and "note: bfloat16 rounds near-tied logits" in out
+
+
+def test_progress_bars_are_quiet_unless_verbose(no_model_loads, progress_bars):
+    main(["generate", "--max-new-tokens", "0"])
+    assert not progress_bars.is_progress_bar_enabled()
+    progress_bars.enable_progress_bar()
+    main(["generate", "--max-new-tokens", "0", "--verbose"])
+    assert progress_bars.is_progress_bar_enabled()
