@@ -40,6 +40,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.required or action.nargs == 0:
             return text
+        if isinstance(action.default, list):  # as it is typed: --policies plain fixed
+            return f"{text} (default: {' '.join(map(str, action.default)) or 'none'})"
         return super()._get_help_string(action)
 
 
