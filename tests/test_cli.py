@@ -198,3 +198,23 @@ def test_progress_bars_are_quiet_unless_verbose(no_model_loads, progress_bars):
     progress_bars.enable_progress_bar()
     main(["generate", "--max-new-tokens", "0", "--verbose"])
     assert progress_bars.is_progress_bar_enabled()
+
+
+def test_demo_prints_its_address_without_gradios_share_hint(capsys, monkeypatch):
+    import hf_dspark.cli.demo as demo_command
+    import hf_dspark.demo
+
+    launched = {}
+
+    def launch(**kwargs):
+        launched.update(kwargs)
+        return None, "http://127.0.0.1:7860/", None
+
+    def interrupt(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_dspark.demo, "launch_default", launch)
+    monkeypatch.setattr(demo_command.time, "sleep", interrupt)
+    assert main(["demo", "--max-new-tokens", "64"]) == 130
+    assert launched["quiet"] and launched["prevent_thread_lock"] and launched["max_new_tokens"] == 64
+    assert "serving on http://127.0.0.1:7860/" in capsys.readouterr().out

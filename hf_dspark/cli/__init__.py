@@ -53,11 +53,13 @@ def _command_defaults(parser: argparse.ArgumentParser, defaults: dict) -> None:
 
 
 def subparser(parser: argparse.ArgumentParser, command: str) -> SettingsParser:
+    """The parser of one command."""
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return commands.choices[command]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs ``hf-dspark argv`` (default: the process's arguments) and returns its exit status."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -40,6 +40,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if "default" in text or action.required or action.nargs == 0:
             return text
+        if isinstance(action.default, list):  # as it is typed: --policies plain fixed
+            return f"{text} (default: {' '.join(map(str, action.default)) or 'none'})"
         return super()._get_help_string(action)
 
 
@@ -137,7 +139,7 @@ def _name_value(action: argparse.Action) -> None:
 
 
 def flag(parser: argparse.ArgumentParser, dest: str) -> str:
-    """The flag a field is given with on ``parser``'s command line (``confidence_threshold`` -> ``--threshold``)."""
+    """The flag a field is given with on ``parser``'s command line (``output_dir`` -> ``--output``)."""
     for action in parser._actions:
         if action.dest == dest and action.option_strings and action.const is not False:
             return action.option_strings[0]
@@ -148,8 +150,6 @@ def in_flag_names(message: str, parser: argparse.ArgumentParser, settings) -> st
     """``message`` with every field name of ``settings`` written as its flag: what a dataclass's own check says
     (``speed_prompts (3) cannot exceed num_prompts (2)``) as the user typed it."""
     names = sorted((f.name for f in dataclasses.fields(settings)), key=len, reverse=True)
-    if not names:
-        return message
     pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
     return pattern.sub(lambda match: flag(parser, match.group(1)), message)
 

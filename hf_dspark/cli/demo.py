@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +28,17 @@ SETTINGS = (DemoSettings,)
 
 
 def run(settings: DemoSettings) -> int:
-    """Serves the demo on SmolLM2-135M-Instruct until interrupted."""
+    """Serves the demo on SmolLM2-135M-Instruct until interrupted, printing its address (and not Gradio's hint
+    about public links: the demo never shares one)."""
     import hf_dspark  # noqa: F401  (installs the generate() dispatch)
 
     from ..demo import launch_default
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    launch_default(host=settings.host, port=settings.port, drafter=settings.drafter, dtype=DTYPES[settings.dtype],
-                   max_new_tokens=settings.max_new_tokens)
-    return 0
+    _, url, _ = launch_default(host=settings.host, port=settings.port, drafter=settings.drafter,
+                               dtype=DTYPES[settings.dtype], max_new_tokens=settings.max_new_tokens, quiet=True,
+                               prevent_thread_lock=True)
+    print(f"hf-dspark demo: serving on {url} (Ctrl+C stops it)", flush=True)
+    while True:  # the server runs in its own thread; Ctrl+C ends the command
+        time.sleep(1)

@@ -17,7 +17,8 @@ POLICIES = {
 # old command-line names, still accepted with a note
 DEPRECATED_NAMES = {"scheduled": "scheduler"}
 POLICY_HELP = ("hybrid: per round, the drafter's block or a prompt lookup, whichever the cost model prices higher | "
-               "fixed: verify the whole block | threshold: verify drafts while their confidence >= --threshold | "
+               "fixed: verify the whole block | threshold: verify drafts while their confidence stays at or above the "
+               "threshold | "
                "scheduler: verify as many drafts as the SPS curve says pays")
 
 
