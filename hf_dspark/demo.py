@@ -498,14 +498,7 @@ def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: st
     model, origin = load_drafter_for(target, drafter, dtype=dtype)
     demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
                       title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin))
-    # quiet: Gradio's own banner suggests share=True, which this offline demo never uses; the address is printed here
-    blocking = not launch_kwargs.pop("prevent_thread_lock", False)
-    app, url, share_url = demo.launch(server_name=host, server_port=port, share=False, quiet=True,
-                                      prevent_thread_lock=True, **launch_kwargs)
-    print(f"hf-dspark demo: {url} (Ctrl+C stops it)", flush=True)
-    if blocking:
-        demo.block_thread()
-    return app, url, share_url
+    return demo.launch(server_name=host, server_port=port, share=False, **launch_kwargs)
 
 
 def drafter_label(origin: str) -> str:
