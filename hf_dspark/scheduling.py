@@ -101,8 +101,8 @@ class FixedLengthPolicy(VerificationPolicy):
     def from_generation_config(cls, generation_config, block_size):
         return cls(getattr(generation_config, "num_verify_tokens", None))
 
-    def verify_lengths(self, confidences, caps):
-        return caps.long() if self.num_tokens is None else caps.long().clamp(max=self.num_tokens)
+    def num_to_verify(self, confidences, max_drafts):
+        return max_drafts if self.num_tokens is None else min(self.num_tokens, max_drafts)
 
 
 @register_verification_policy("threshold")
@@ -397,16 +397,17 @@ class ConfidenceMemory:
         self.idle += 1
 
 
-def expected_round(conditionals: torch.Tensor, lengths: torch.Tensor, sps_table: torch.Tensor,
+def expected_round(conditionals: torch.Tensor, lengths: Sequence[int], sps_table: torch.Tensor,
                    padded: bool = True) -> tuple[float, float]:
-    """What verifying ``lengths`` [R] drafts of R rows with these conditional acceptances [R, g] is expected to
-    deliver: ``(R + sum of the admitted prefix survivals, seconds of the verify forward)``, the forward priced at
-    ``SPS(B)`` with B the padded batch ``R * (1 + longest)`` (or the packed ``R + sum of lengths``)."""
+    """What verifying ``lengths`` drafts (one per row, on the host) of R rows with these conditional acceptances
+    [R, g] is expected to deliver: ``(R + sum of the admitted prefix survivals, seconds of the verify forward)``, the
+    forward priced at ``SPS(B)`` with B the padded batch ``R * (1 + longest)`` (or the packed ``R + sum of
+    lengths``)."""
     survival = torch.cumprod(conditionals.float().clamp(0, 1), dim=-1)
-    lengths = lengths.to(survival.device)
-    admitted = torch.arange(survival.shape[-1], device=survival.device) < lengths[:, None]
+    limits = torch.tensor(list(lengths), device=survival.device)
+    admitted = torch.arange(survival.shape[-1], device=survival.device) < limits[:, None]
     rows = survival.shape[0]
-    batch = rows * (1 + int(lengths.max())) if padded else rows + int(lengths.sum())
+    batch = rows * (1 + max(lengths)) if padded else rows + sum(lengths)
     return rows + float((survival * admitted).sum()), 1.0 / float(sps_table[min(batch, sps_table.shape[0] - 1)])
 
 
@@ -516,18 +517,15 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         table = self._table[: min(self._table.shape[0], 1 + max_drafts + 1)]
         return int(prefix_schedule(confidences[:max_drafts].view(1, -1), table)[0])
 
-    def verify_lengths(self, confidences, caps):
-        """Algorithm 1 for the sequence's one row (``generate()``; the engine shares a batch's budget with the same
-        Algorithm over its own repriced SPS tables, ``engine.decisions``)."""
-        if confidences.shape[0] != 1:
-            raise ValueError(f"the {self.name} policy schedules one sequence; the engine schedules batches")
-        max_drafts = int(caps[0])
-        current = confidences[0].float().detach()
+    def num_to_verify(self, confidences, max_drafts):
+        """Algorithm 1 for the policy's one sequence (``generate()``). The engine, whose rows are many sequences,
+        shares a batch's budget with the same Algorithm over its own repriced SPS tables (``engine.decisions``)."""
+        current = confidences.float().detach()
         length = self._schedule(self._corrected(current), max_drafts)
         raw = current.clone()
         raw[max_drafts:] = 0.0
         self._round = (raw, current.clone(), length)  # uncapped: caps apply when the memory is used
-        return torch.tensor([length], device=caps.device)
+        return length
 
     def observe(self, verified, accepted):
         if self._round is None:  # a round without drafting
@@ -564,14 +562,14 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         if plan is None:
             stale = self._corrected(self.memory.smoothed)
             length = self._schedule(stale, max_drafts)
-            plan = (length, *expected_round(stale.view(1, -1), torch.tensor([length]), self._table))
+            plan = (length, *expected_round(stale.view(1, -1), [length], self._table))
             self._stale_plans = {(self._stale_version, max_drafts): plan}
         return plan
 
     def _expected_rate(self, conditionals: torch.Tensor, length: int) -> float:
         """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances
         (``expected_round`` at one row, no drafter time: a draft source that costs nothing to propose)."""
-        tokens, seconds = expected_round(conditionals.view(1, -1), torch.tensor([length]), self._table)
+        tokens, seconds = expected_round(conditionals.view(1, -1), [length], self._table)
         return tokens / seconds
 
 

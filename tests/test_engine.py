@@ -2122,7 +2122,7 @@ def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trai
     engine.measurements.record_draft(4, 0.001)  # a cheap drafter
     stale = torch.full((4, drafter.config.block_size), 0.9)
     table = engine.pricing.sps_table(4)
-    predicted = torch.full((4,), 2)
+    predicted = [2] * 4
     assert engine.decisions.drafting_pays(stale, predicted, table, 4)
     assert engine.decisions.prediction is not None and engine.decisions.prediction[0] > 4  # kept for the step to check
     for _ in range(32):  # its drafting steps delivered a fifth of what it predicted

@@ -192,7 +192,7 @@ class DraftingDecisions:
         rows = self.batch.rows
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
         due = [i for i in candidates if not known[i] or rows[i].memory.probe_due]  # new requests, and probes
-        if worth and not due and config.cost_aware and not self.drafting_pays(stale, predicted, table, len(worth)):
+        if worth and not due and config.cost_aware and not self.drafting_pays(stale, lengths, table, len(worth)):
             return self._skip("cost")
         chosen = sorted(set(worth) | set(due))
         if not chosen:
@@ -202,7 +202,7 @@ class DraftingDecisions:
             # checked against what the step delivers: checked only on the steps it chose to draft (those whose stale
             # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
             # next drafts fall back toward the mean) and, its factor pulled down, skip drafting for long stretches.
-            self.drafting_pays(stale, predicted, table, len(chosen), keep_prediction=True)
+            self.drafting_pays(stale, lengths, table, len(chosen), keep_prediction=True)
         if len(chosen) < len(caps) and not self.drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one request's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due). With
@@ -274,7 +274,7 @@ class DraftingDecisions:
             certain[list(rows)] = 1.0
         return bool(schedule_batch(certain, caps, table, self._pricing_schedule()).any())
 
-    def drafting_pays(self, stale: torch.Tensor, predicted: torch.Tensor, table: torch.Tensor, rows: int,
+    def drafting_pays(self, stale: torch.Tensor, predicted: list[int], table: torch.Tensor, rows: int,
                       keep_prediction: bool = False) -> bool:
         """Whether drafting ``rows`` requests is expected to beat plain decoding this step (``drafting_pays``), from
         the stale prediction (``predicted`` lengths, survivals of ``stale`` confidences: ``expected_round``) and the
