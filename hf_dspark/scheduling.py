@@ -122,14 +122,17 @@ class ConfidenceThresholdPolicy(VerificationPolicy):
         return cls(0.5 if threshold is None else float(threshold))
 
     def verify_lengths(self, confidences, caps):
-        kept = (confidences >= self.threshold).long().cumprod(dim=-1).sum(dim=-1)  # leading positions at or above t
-        return torch.minimum(kept.to(caps.device), caps.long())
+        return torch.minimum(threshold_lengths(confidences, self.threshold).to(caps.device), caps.long())
+
+
+def threshold_lengths(confidences: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Leading positions before each row's first ``c_k < threshold`` ([R, g] -> [R])."""
+    return (confidences >= threshold).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def threshold_length(confidences: torch.Tensor, threshold: float) -> int:
-    """Leading positions before the first ``c_k < threshold`` ([g] -> int)."""
-    below = (confidences < threshold).nonzero()
-    return int(below[0, 0]) if below.numel() else int(confidences.shape[-1])
+    """``threshold_lengths`` of one row ([g] -> int)."""
+    return int(threshold_lengths(confidences.view(1, -1), threshold)[0])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -556,8 +559,8 @@ class PrefixSchedulerPolicy(VerificationPolicy):
 
     def _stale_plan(self, max_drafts: int) -> tuple[int, float, float]:
         """What the smoothed past confidences (with the correction learnt up to now) predict for a block drafted this
-        round: ``(length, 1 + sum of its prefix survivals, seconds of its verify forward)``. It changes only when a block
-        round updates them, so the rounds in between reuse it without reading the device again."""
+        round: ``(length, 1 + sum of its prefix survivals, seconds of its verify forward)``. It changes only when a
+        block round updates them, so the rounds in between reuse it without reading the device again."""
         plan = self._stale_plans.get((self._stale_version, max_drafts))
         if plan is None:
             stale = self._corrected(self.memory.smoothed)
@@ -709,4 +712,5 @@ __all__ = [
     "policy_from_generation_config",
     "register_verification_policy",
     "threshold_length",
+    "threshold_lengths",
 ]

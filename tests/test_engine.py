@@ -1851,7 +1851,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     assert all(w == 1 for w in engine.stats.widths[before:])  # every wider block now costs more than it can gain
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 16)
-    assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).adapt_sps  # a given SPS is kept
+    assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).pricing.adapt_sps  # a given SPS kept
 
 
 def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets, trained_drafters):

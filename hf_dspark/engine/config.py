@@ -86,8 +86,8 @@ class EngineConfig:
         calibration set.
     adapt_sps: under the scheduler, reprice the profile by the measured verify times: the profile's shape at the
         engine's measured level, each width run at the current batch size pulled toward its own measured time by
-        how many times it was timed (``_sps_table``) (default: True when the engine profiles the target itself,
-        ``sps=None``; an SPS passed in is used as given unless this is True).
+        how many times it was timed (``VerifyPricing.sps_table``) (default: True when the engine profiles the
+        target itself, ``sps=None``; an SPS passed in is used as given unless this is True).
     confidence_prior: under the scheduler, a joining request starts from the mean confidences of every draft so
         far (when there are any; kept in ``measurements``, so an engine sharing them starts from what earlier
         engines drafted) instead of drafting at once: it drafts when those predict a budget (and the cost gate
