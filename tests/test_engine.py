@@ -610,7 +610,7 @@ def test_realized_gate_decisions():
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
                           max_explore_interval=12, explore_budget=0)  # the doubling wait alone
-    assert engine.decisions.decisions.realized_gate
+    assert engine.decisions.realized_gate
     assert engine.decisions.realized_allows_drafting(16)
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
     assert engine.decisions.realized_allows_drafting(16)  # one drafting step is not a measurement yet
@@ -942,7 +942,7 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 2)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
-    assert engine.decisions.decisions.realized_gate
+    assert engine.decisions.realized_gate
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.step()
     assert engine.stats.drafting == [0] and engine.measurements.realized == {}
