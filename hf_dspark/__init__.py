@@ -9,7 +9,8 @@ from transformers import AutoConfig, AutoModel
 from .configuration_dspark import DSparkConfig
 from .draft_sampling import DSparkDraft
 from .modeling_dspark import DSparkContextCache, DSparkDrafter, DSparkOutput
-from .generation import DSparkCandidateGenerator, DSparkStats, install_generate_dispatch
+from .drafting import DSparkStats
+from .generation import DSparkCandidateGenerator, install_generate_dispatch
 from .scheduling import (
     ConfidenceThresholdPolicy,
     FixedLengthPolicy,

@@ -23,7 +23,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .generation import DSparkRound, DSparkStats
+from .drafting import DSparkStats
+from .generation import DSparkRound
 from .scheduling import (
     ConfidenceThresholdPolicy,
     FixedLengthPolicy,

@@ -15,7 +15,8 @@ Verification itself (greedy matching or rejection sampling, EOS / max-length cro
 committed round where any stopping criterion fires inside it (transformers checks the criteria only at the end of a
 round, so a stop string completed by an accepted draft would otherwise run on past it).
 
-This file is self-contained (torch + transformers + ``scheduling``), because exported folders carry it.
+This file is self-contained (torch + transformers + its siblings ``drafting``, ``gate`` and ``scheduling``), because
+exported folders carry it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -35,18 +36,28 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 
-try:  # inside the hf_dspark package, or a custom_generate/ folder carrying scheduling.py next to this file
-    from .scheduling import (
+try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
+    from .drafting import (
+        DRAFT_SOURCES,
+        Draft,
+        DSparkStats,
         LookupSurvival,
-        RealizedGate,
-        VerificationPolicy,
-        lookup_max_tokens,
-        policy_from_generation_config,
+        seconds_between,
+        time_mark,
     )
+    from .gate import RealizedGate
+    from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from scheduling import (  # type: ignore[no-redef]
+    from drafting import (  # type: ignore[no-redef]
+        DRAFT_SOURCES,
+        Draft,
+        DSparkStats,
         LookupSurvival,
-        RealizedGate,
+        seconds_between,
+        time_mark,
+    )
+    from gate import RealizedGate  # type: ignore[no-redef]
+    from scheduling import (  # type: ignore[no-redef]
         VerificationPolicy,
         lookup_max_tokens,
         policy_from_generation_config,
@@ -60,139 +71,6 @@ def is_dspark_drafter(model: Any) -> bool:
 # ------------------------------------------------------------------------------------------------------------------
 # Statistics
 # ------------------------------------------------------------------------------------------------------------------
-def totals_by_source(sources: list[str], **per_round: list[int]) -> dict[str, dict[str, int]]:
-    """Rounds and the sum of each per-round count (``drafted=[...]``, ``verified=[...]``, ...) per draft source."""
-    out: dict[str, dict[str, int]] = {}
-    for i, source in enumerate(sources):
-        row = out.setdefault(source, {"rounds": 0, **{name: 0 for name in per_round}})
-        row["rounds"] += 1
-        for name, counts in per_round.items():
-            row[name] += counts[i]
-    return out
-
-
-def time_mark(device: torch.device) -> Any:
-    """A point in time on ``device``: on CUDA a recorded timing event on its current stream (no sync: it marks when
-    the work launched before it has run), elsewhere ``time.perf_counter()``."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record(torch.cuda.current_stream(device))  # the device's own stream, whichever device is current
-    return event
-
-
-def seconds_between(start: Any, end: Any) -> float:
-    """Seconds between two ``time_mark`` points (CUDA events: once ``end`` has been reached)."""
-    return end - start if isinstance(start, float) else start.elapsed_time(end) / 1000.0
-
-
-@dataclass
-class DSparkStats:
-    """Per-round statistics of one ``generate`` call (``drafter.last_stats``).
-
-    A round is one target forward after the prefill: it verifies ``verified[i]`` of ``drafted[i]`` draft tokens and
-    accepts ``accepted[i]`` of them, then emits one more token from the target (the bonus or the correction).
-    ``sources[i]`` says where its drafts came from: ``"block"`` (the drafter), ``"lookup"`` (prompt lookup) or
-    ``"none"`` (the target decoded alone).
-
-    ``time_split()`` divides the rounds' wall time into drafting (everything the candidate generator does to propose:
-    lookup search, policy, drafter forward), verification (the target's forward and transformers' acceptance) and
-    bookkeeping (the assisted loop between a verdict and the next round: cache crop, stopping criteria, streamer).
-    On CUDA the stamps are CUDA events, read once when the split is asked for, so timing adds no sync to a round.
-    """
-
-    block_size: int
-    drafted: list[int] = field(default_factory=list)
-    verified: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    confidences: list[list[float]] = field(default_factory=list)
-    confidence_logits: list[list[float]] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)
-    # Per round: [drafting start, drafting end, verdict, next round start or None] (floats, or CUDA events).
-    stamps: list[list[Any]] = field(default_factory=list, repr=False)
-
-    def add_round(self, drafted: int, verified: int, accepted: int, confidences: list[float] | None = None,
-                  confidence_logits: list[float] | None = None, source: str | None = None) -> None:
-        self.drafted.append(drafted)
-        self.verified.append(verified)
-        self.accepted.append(accepted)
-        self.confidences.append(confidences or [])
-        self.confidence_logits.append(confidence_logits or [])
-        self.sources.append(source or ("block" if drafted else "none"))
-
-    def by_source(self) -> dict[str, dict[str, int]]:
-        """Rounds, drafted, verified and accepted draft tokens per draft source."""
-        return totals_by_source(self.sources, drafted=self.drafted, verified=self.verified, accepted=self.accepted)
-
-    def add_stamps(self, started: Any, drafted: Any, verified: Any) -> None:
-        """The clock stamps of the round just recorded; the previous round's bookkeeping ends at ``started``."""
-        if self.stamps and self.stamps[-1][3] is None:
-            self.stamps[-1][3] = started
-        self.stamps.append([started, drafted, verified, None])
-
-    def time_split(self) -> dict[str, float]:
-        """Seconds spent drafting, verifying and in the loop's bookkeeping over the rounds (the last round's
-        bookkeeping, after its verdict, is outside every round and not counted)."""
-        split = {"drafting_s": 0.0, "verification_s": 0.0, "bookkeeping_s": 0.0}
-        if not self.stamps:
-            return split
-        if not isinstance(self.stamps[0][0], float):
-            torch.cuda.synchronize()  # CUDA events: every stamp reached
-        for stamp in self.stamps:
-            for key, (a, b) in zip(split, zip(stamp, stamp[1:])):
-                if b is not None:
-                    split[key] += seconds_between(a, b)
-        return split
-
-    @property
-    def rounds(self) -> int:
-        return len(self.verified)
-
-    @property
-    def accepted_length(self) -> float:
-        """tau: tokens emitted per round, accepted drafts plus the target's own token (the paper's definition)."""
-        return (sum(self.accepted) + self.rounds) / self.rounds if self.rounds else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / verified draft tokens."""
-        verified = sum(self.verified)
-        return sum(self.accepted) / verified if verified else 0.0
-
-    def position_acceptance(self) -> list[float | None]:
-        """Conditional acceptance per block position k = 1..g: P(token k accepted | tokens 1..k-1 accepted and k
-        verified). None where no round reached that position."""
-        rates: list[float | None] = []
-        for k in range(1, self.block_size + 1):
-            reached = sum(1 for v, a in zip(self.verified, self.accepted) if v >= k and a >= k - 1)
-            hit = sum(1 for v, a in zip(self.verified, self.accepted) if v >= k and a >= k)
-            rates.append(hit / reached if reached else None)
-        return rates
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "block_size": self.block_size,
-            "rounds": self.rounds,
-            "drafted": list(self.drafted),
-            "verified": list(self.verified),
-            "accepted": list(self.accepted),
-            "confidences": [list(c) for c in self.confidences],
-            "confidence_logits": [list(c) for c in self.confidence_logits],
-            "sources": list(self.sources),
-            "by_source": self.by_source(),
-            "accepted_length": self.accepted_length,
-            "acceptance_rate": self.acceptance_rate,
-            "position_acceptance": self.position_acceptance(),
-            "time_split": self.time_split(),
-        }
-
-    def __repr__(self) -> str:
-        return (
-            f"DSparkStats(rounds={self.rounds}, accepted_length={self.accepted_length:.3f}, "
-            f"verified={sum(self.verified)}, accepted={sum(self.accepted)})"
-        )
-
-
 class _PendingRound(NamedTuple):
     """What a round drafted, kept from ``get_candidates`` until its verdict arrives."""
 
@@ -202,8 +80,8 @@ class _PendingRound(NamedTuple):
     confidence_logits: list[float] | None = None
     draft_ids: torch.Tensor | None = None  # [1, drafted]
     source: str = "none"
-    match_length: int = 0  # lookup rounds: tokens of the suffix match
-    lookup_tokens: int = 0  # lookup rounds: the verified tokens that came from the lookup (not a fixed width's pad)
+    offer: Draft | None = None  # rounds drafted by a free source: its offer
+    offer_tokens: int = 0  # of the verified tokens, those the offer drafted (not a fixed width's pad)
 
 
 @dataclass
@@ -271,8 +149,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.set_sps(_profile_target(target, self.max_round_drafts + 1))
         if self.policy.uses_realized_gate:
             self.policy.set_realized_gate(realized_gate_for(drafter, target))
-        if self.policy.uses_lookup:
+        if self.policy.draft_sources:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
+        self.sources = [DRAFT_SOURCES[name].from_policy(self.policy) for name in self.policy.draft_sources]
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.static_round = _static_round_for(drafter, generation_config, logits_processor, self.do_sample)
         self.cache = self.static_round if self.static_round is not None else drafter.new_context_cache()
@@ -383,71 +262,80 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.record_round(*self._finished_round, now - self._round_started)
         self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
-        anchor_position = input_ids.shape[1] - 1
         room = self.max_length - input_ids.shape[1] - 1
         max_drafts = min(self.block_size, room)
-        if max_drafts <= 0:
-            # Only the target's own next token fits: nothing to draft.
-            self._defer_context(target_hidden)
-            self._pending_round = _PendingRound()
-            return input_ids, None
-        if self.policy.uses_lookup:
-            found = prompt_lookup(input_ids[0], self.policy.max_ngram, min(self.policy.max_lookup_tokens, room))
-            confidences = None if found is None else self.policy.lookup.confidences(found[1], found[0].shape[0])
-            source, length = self.policy.choose_source(confidences, max_drafts, self._draft_seconds)
-            if source == "lookup":
-                width = min(self.policy.max_lookup_tokens, room) if self.fixed_width else None
-                return self._lookup_candidates(input_ids, target_hidden, found[0], found[1], length, width)
-        else:
-            source = "block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"
+        source, length, offer = self._choose_source(input_ids, room, max_drafts)
         if source == "none":
-            # The policy expects no draft worth its cost this round: the target decodes alone.
+            # Nothing fits, or the policy expects no draft worth its cost this round: the target decodes alone.
             self._defer_context(target_hidden)
             self._pending_round = _PendingRound()
             return input_ids, None
-        started = self._stamp()
-        if self.static_round is not None:
-            draft = self.static_round.draft(input_ids[:, -1], anchor_position, self._context_features(target_hidden))
-        else:
-            draft = self.drafter.draft(
-                input_ids[:, -1],
-                anchor_position,
-                self._context_features(target_hidden),
-                self.cache,
-                prefix_ids=input_ids[:, :-1],
-                logits_processor=self.logits_processor,
-                do_sample=self.do_sample,
-            )
-        self._time_draft(started, self._stamp())
-        confidences = None if draft.confidences is None else draft.confidences[0]
-        verify = int(self.policy.num_to_verify(confidences, max_drafts))
+        if offer is not None:
+            self._defer_context(target_hidden)  # no drafter forward: its features wait for the next block draft
+            return self._offer_candidates(input_ids, offer, length, room)
+        return self._block_candidates(input_ids, target_hidden, max_drafts)
+
+    def _choose_source(self, input_ids: torch.LongTensor, room: int,
+                       max_drafts: int) -> tuple[str, int, Draft | None]:
+        """``(source, length, offer)``: which source drafts this round. Offers come from the policy's free sources
+        (``draft_sources``) and are priced against the block by the policy; ``length`` is an offer's verification
+        length."""
+        if max_drafts <= 0:
+            return "none", 0, None  # only the target's own next token fits
+        if not self.sources:
+            return ("block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"), 0, None
+        cap = min(self.policy.max_lookup_tokens, room)
+        proposed = [source.propose(input_ids[0], cap) for source in self.sources]
+        offers = [offer for offer in proposed if offer is not None]
+        name, length = self.policy.choose_source(offers, max_drafts, self._draft_seconds)
+        return name, length, next((offer for offer in offers if offer.source == name), None)
+
+    def _block_candidates(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, max_drafts: int):
+        """A round drafted by the drafter's block: its forward, then the policy's verification length."""
+        draft = self._draft_block(input_ids, target_hidden)
+        verify = int(self.policy.num_to_verify(None if draft.confidences is None else draft.confidences[0],
+                                                max_drafts))
         if not 0 <= verify <= max_drafts:
             raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
         if self.fixed_width:
             verify = max_drafts  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
+        confidences = None if draft.confidences is None else draft.confidences[0]
         listed, raw = _stats_lists(confidences, draft.confidence_logits)
-        self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.draft_ids, source="block")
+        self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.token_ids, source="block")
         if verify == 0:
             return input_ids, None
-        candidates = torch.cat([input_ids, draft.draft_ids[:, :verify].to(input_ids.device)], dim=-1)
+        candidates = torch.cat([input_ids, draft.token_ids[:, :verify].to(input_ids.device)], dim=-1)
         self._crop_at_stop(candidates, input_ids.shape[1])
-        # softmax(draft_logits) is the distribution each draft token was actually sampled from (q).
-        return candidates, draft.draft_logits[:, :verify]
+        # softmax(q) is the distribution each draft token was actually sampled from.
+        return candidates, draft.q[:, :verify]
 
-    def _lookup_candidates(self, input_ids, target_hidden, tokens: torch.LongTensor, match_length: int, verify: int,
-                           width: int | None = None):
-        """A round drafted by prompt lookup: no drafter forward (its features wait for the next block draft).
-        ``width``: verify exactly that many tokens (a fixed verification width): the whole lookup draft, and past
-        its end the last token repeated (greedy verification accepts a token only where it is the target's own
-        choice; sampled, each carries a one-hot q, the distribution it was drawn from)."""
-        self._defer_context(target_hidden)
-        lookup_tokens = tokens.shape[0]
-        if width is not None:
-            tokens = torch.cat([tokens[:width], tokens[-1:].expand(max(0, width - lookup_tokens))])
-            verify = width
+    def _draft_block(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor) -> Draft:
+        """The drafter's block from the anchor (the static round where this call has one), timed for the policy."""
+        started = self._stamp()
+        features = self._context_features(target_hidden)
+        anchor_position = input_ids.shape[1] - 1
+        if self.static_round is not None:
+            out = self.static_round.draft(input_ids[:, -1], anchor_position, features)
+        else:
+            out = self.drafter.draft(input_ids[:, -1], anchor_position, features, self.cache,
+                                     prefix_ids=input_ids[:, :-1], logits_processor=self.logits_processor,
+                                     do_sample=self.do_sample)
+        self._time_draft(started, self._stamp())
+        return Draft(out.draft_ids, out.draft_logits, out.confidences, "block", out.confidence_logits)
+
+    def _offer_candidates(self, input_ids, offer: Draft, verify: int, room: int):
+        """A round drafted by a free source's offer (no drafter forward). With a fixed verification width it verifies
+        exactly the policy's longest offer: the whole draft, and past its end the last token repeated (greedy
+        verification accepts a token only where it is the target's own choice; sampled, each carries a one-hot q,
+        the distribution it was drawn from)."""
+        tokens = offer.token_ids[0]
+        offered = tokens.shape[0]
+        if self.fixed_width:
+            verify = min(self.policy.max_lookup_tokens, room)
+            tokens = torch.cat([tokens[:verify], tokens[-1:].expand(max(0, verify - offered))])
         drafts = tokens[:verify].to(input_ids.device)
-        self._pending_round = _PendingRound(tokens.shape[0], verify, draft_ids=tokens.view(1, -1), source="lookup",
-                                            match_length=match_length, lookup_tokens=min(lookup_tokens, verify))
+        self._pending_round = _PendingRound(tokens.shape[0], verify, draft_ids=tokens.view(1, -1), source=offer.source,
+                                            offer=offer, offer_tokens=min(offered, verify))
         candidates = torch.cat([input_ids, drafts.view(1, -1)], dim=-1)
         self._crop_at_stop(candidates, input_ids.shape[1])
         if not self.do_sample:
@@ -475,16 +363,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits, draft_ids, source, match_length, lookup_tokens = (
-            self._pending_round)
+        drafted, verified, confidences, confidence_logits, draft_ids, source, offer, offer_tokens = self._pending_round
         accepted = int(num_matches)
         self._finished_round = (source == "block", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if verdict is not None:
             self.stats.add_stamps(*self._stamps, verdict)
             self._stamps = None
-        if source == "lookup":  # the lookup's own tokens only: a fixed width's pad says nothing about lookups
-            self.policy.lookup.observe(match_length, lookup_tokens, min(accepted, lookup_tokens))
+        if offer is not None:  # the offer's own tokens only: a fixed width's pad says nothing about its source
+            next(s for s in self.sources if s.name == source).observe(offer, offer_tokens, min(accepted, offer_tokens))
         self.policy.observe(verified, accepted)
         self._pending_round = None
         if self.round_callback is not None:
@@ -673,36 +560,6 @@ def lookup_survival_for(drafter, target) -> LookupSurvival:
                               lambda: LookupSurvival(drafter.config.block_size))  # grows to longer drafts
 
 
-def prompt_lookup(ids: torch.LongTensor, max_ngram: int, max_tokens: int) -> tuple[torch.LongTensor, int] | None:
-    """Prompt-lookup draft: ``(tokens, n)``, the continuation (up to ``max_tokens``) of the latest earlier occurrence
-    of the last ``n`` tokens of ``ids`` [L], for the largest ``n <= max_ngram`` that occurs; None if none does.
-
-    Among occurrences of the longest matching suffix, the latest one with ``max_tokens`` tokens after it wins (the
-    latest of all if none has): recent text predicts the next tokens best, and a full continuation drafts more.
-    Every match length is computed at once on the device (``max_ngram`` comparisons of shifted ids) and the choice
-    is read back in one transfer: one host synchronisation per call, whatever ``max_ngram`` is.
-    """
-    length = ids.shape[0]
-    longest = min(max_ngram, length - 1)
-    if longest < 1:
-        return None
-    follow = torch.arange(1, length, device=ids.device)  # position after each earlier n-gram's last token
-    matched = torch.zeros_like(follow)  # how many tokens before ``follow`` equal the last tokens of ids
-    alive = torch.ones_like(follow, dtype=torch.bool)
-    for k in range(longest):
-        source = follow - 1 - k
-        alive &= (source >= 0) & (ids[source.clamp(min=0)] == ids[length - 1 - k])
-        matched += alive
-    # longest match first, then a full continuation, then the latest occurrence: one argmax over a combined key
-    full = follow + max_tokens <= length
-    key = matched * (2 * length) + full * length + follow
-    best = key.argmax()
-    n, begin = torch.stack([matched[best], follow[best]]).tolist()
-    if n == 0:
-        return None
-    return ids[begin: begin + max_tokens], n
-
-
 def sps_width(drafter) -> int:
     """The verification widths (drafts plus the anchor) an SPS profile for ``drafter`` must cover: its block or, for
     the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), plus one."""
@@ -857,7 +714,6 @@ def generate(model, *args, **kwargs):
 __all__ = [
     "DSparkCandidateGenerator",
     "DSparkRound",
-    "DSparkStats",
     "DRAFT_ROUNDS",
     "VERIFICATION_WIDTHS",
     "draft_round_mode",
@@ -868,10 +724,7 @@ __all__ = [
     "install_generate_dispatch",
     "is_dspark_drafter",
     "lookup_survival_for",
-    "prompt_lookup",
     "realized_gate_for",
-    "seconds_between",
-    "time_mark",
     "validate_dspark_request",
     "verification_records_graphs",
     "verification_width_mode",

@@ -12,6 +12,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -84,22 +85,31 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
             break
     bar.close()
     measured = [b for b in batch_tokens if raw[b]]
-    sps = monotone_decreasing([statistics.median(1.0 / min(t) for t in raw[b].values())
-                               for b in measured])
+    sps = monotone_fit([statistics.median(1.0 / min(t) for t in raw[b].values()) for b in measured],
+                       decreasing=True)
     return StepsPerSecond(measured, sps, max(measured)), {str(b): {str(c): t for c, t in v.items()} for b, v in raw.items()}
 
 
-def monotone_decreasing(values: list[float]) -> list[float]:
-    """Least-squares non-increasing fit (pool adjacent violators): more tokens per forward are never faster, so
-    a measured rise is noise; averaging it with its neighbours keeps the curve honest without favouring any point."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return [total / count for total, count in blocks for _ in range(count)]
+def monotone_fit(values: Sequence[float], weights: Sequence[float] | None = None,
+                 decreasing: bool = False) -> list[float]:
+    """The weighted least-squares monotone fit of ``values`` (pool adjacent violators): runs that go the wrong way
+    are replaced by their weighted mean (``weights``: 1 each when None), merging until the sequence never decreases
+    (never increases with ``decreasing``). More tokens per forward are never faster, so a measured rise of steps
+    per second (or a fall of cost) is noise; averaging it with its neighbours keeps the curve honest without
+    favouring any point."""
+    weights = [1.0] * len(values) if weights is None else weights
+    if len(values) != len(weights) or any(w <= 0 for w in weights):
+        raise ValueError("need one positive weight per value")
+    sign = -1.0 if decreasing else 1.0
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([sign * float(value), float(weight), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean2, weight2, count2 = blocks.pop()
+            mean1, weight1, count1 = blocks.pop()
+            blocks.append([(mean1 * weight1 + mean2 * weight2) / (weight1 + weight2), weight1 + weight2,
+                           count1 + count2])
+    return [sign * mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 def profile_path(model, folder: Path | None = None) -> Path:
@@ -250,7 +260,7 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
             break
     measured = sorted(q for q in raw if raw[q])
     batch_tokens = [num_requests * q for q in measured]
-    sps = monotone_decreasing([1.0 / min(raw[q]) for q in measured])
+    sps = monotone_fit([1.0 / min(raw[q]) for q in measured], decreasing=True)
     return StepsPerSecond(batch_tokens, sps, max(batch_tokens)), {str(q): t for q, t in raw.items()}
 
 

@@ -7,17 +7,27 @@ sampled. ``c_k`` is computed from ``h_k`` and ``x_{k-1}`` only, so a left-to-rig
 (fixed length, first-below-threshold cut, Algorithm 1 with its early stop); a search that looks at all positions and
 goes back (no early stop) does not.
 
-This file is self-contained (torch only): exported drafter folders carry it in ``custom_generate/``.
+A policy decides for R rows at once (``verify_lengths``): ``generate()`` asks it for one row, the batched engine for
+all of its rows, and its name (``register_verification_policy``) selects it in both (``verification_policy`` in the
+drafter's generation config, ``DSparkEngine(method=)``, ``bench --policies``, ``bench-serve --methods``).
+
+This file is self-contained (torch + its siblings ``drafting`` and ``gate``): exported drafter folders carry it in
+``custom_generate/``.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+try:  # inside the hf_dspark package, or a custom_generate/ folder carrying the siblings next to this file
+    from .drafting import LookupSurvival
+    from .gate import EXPLORE_BUDGET, RealizedGate
+except ImportError:  # pragma: no cover - loaded as a top-level module
+    from drafting import LookupSurvival  # type: ignore[no-redef]
+    from gate import EXPLORE_BUDGET, RealizedGate  # type: ignore[no-redef]
 
 VERIFICATION_POLICIES: dict[str, type["VerificationPolicy"]] = {}
 
@@ -34,27 +44,36 @@ def register_verification_policy(name: str):
 
 
 class VerificationPolicy:
-    """Interface. Subclasses implement ``num_to_verify`` and may read their settings from the drafter's
-    ``generation_config`` in ``from_generation_config``."""
+    """Interface. A policy implements ``verify_lengths`` (R rows at once) or, for a rule that looks at one row at a
+    time, ``num_to_verify``; each is the other's default. Settings come from the drafter's ``generation_config``
+    (``from_generation_config``)."""
 
     name = "base"
     needs_confidences = False
+    needs_sps = False  # prices verification by the SPS profile: the engine shares its verification budget by it
     uses_realized_gate = False  # True: the candidate generator hands it a shared ``RealizedGate``
-    uses_lookup = False  # True: the candidate generator offers it prompt-lookup drafts (``choose_source``)
+    draft_sources: tuple[str, ...] = ()  # sources (``drafting.DRAFT_SOURCES``) it prices against the block
 
     @classmethod
     def from_generation_config(cls, generation_config: Any, block_size: int) -> "VerificationPolicy":
         return cls()
 
-    def num_to_verify(self, confidences: torch.Tensor | None, max_drafts: int) -> int:
-        """Number of leading draft tokens to verify.
+    def verify_lengths(self, confidences: torch.Tensor | None, caps: torch.Tensor) -> torch.Tensor:
+        """Leading draft tokens each row verifies ([R] long, row r within ``[0, caps[r]]``).
 
         Args:
-            confidences: [g] conditional acceptance confidences ``c_1..c_g`` of this round (None when the drafter
-                has no confidence head).
-            max_drafts: hard cap (block size, remaining length budget).
+            confidences: [R, g] conditional acceptance confidences ``c_1..c_g`` of this round's drafts (None when the
+                drafter has no confidence head, or the policy decides before drafting).
+            caps: [R] hard caps (the drafts available, the remaining length budget).
         """
-        raise NotImplementedError
+        lengths = [self.num_to_verify(None if confidences is None else confidences[r], int(cap))
+                   for r, cap in enumerate(caps.tolist())]
+        return torch.tensor(lengths, dtype=torch.long, device=caps.device)
+
+    def num_to_verify(self, confidences: torch.Tensor | None, max_drafts: int) -> int:
+        """``verify_lengths`` for one row: ``confidences`` [g] (or None), ``max_drafts`` its cap."""
+        rows = None if confidences is None else confidences.view(1, -1)
+        return int(self.verify_lengths(rows, torch.tensor([max_drafts]))[0])
 
     def observe(self, verified: int, accepted: int) -> None:
         """Feedback after verification (for adaptive policies); the default ignores it."""
@@ -102,14 +121,18 @@ class ConfidenceThresholdPolicy(VerificationPolicy):
         threshold = getattr(generation_config, "confidence_threshold", None)
         return cls(0.5 if threshold is None else float(threshold))
 
-    def num_to_verify(self, confidences, max_drafts):
-        return threshold_length(confidences[:max_drafts], self.threshold)
+    def verify_lengths(self, confidences, caps):
+        return torch.minimum(threshold_lengths(confidences, self.threshold).to(caps.device), caps.long())
+
+
+def threshold_lengths(confidences: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Leading positions before each row's first ``c_k < threshold`` ([R, g] -> [R])."""
+    return (confidences >= threshold).long().cumprod(dim=-1).sum(dim=-1)
 
 
 def threshold_length(confidences: torch.Tensor, threshold: float) -> int:
-    """Leading positions before the first ``c_k < threshold`` ([g] -> int)."""
-    below = (confidences < threshold).nonzero()
-    return int(below[0, 0]) if below.numel() else int(confidences.shape[-1])
+    """``threshold_lengths`` of one row ([g] -> int)."""
+    return int(threshold_lengths(confidences.view(1, -1), threshold)[0])
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -335,303 +358,68 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
-REALIZED_WINDOW = 32  # whole rounds per (batch size, drafted) behind the realized gate's tokens per second, at least
-# A window also holds at least this many request-rounds (rows x rounds): at few rows, 32 rounds are one or two
-# requests' text, and how predictable that text was (which the cost model already prices step by step, from the
-# drafts' confidences) would decide the verdict instead of what drafting costs. SmolLM2 at one request (bf16, 2 CPU
-# threads, 32-token answers): 32-round windows dipped to within 3% of plain over a hard answer or two, ruling drafting
-# out for 16 or more rounds of the next ones although drafting delivered 1.5x plain over the run; at 16 requests and
-# more the window is 32 rounds as before.
-REALIZED_REQUEST_ROUNDS = 512
-REMEASURE_ROUNDS = 2  # fresh drafting rounds a re-measurement of a losing drafting side runs before its verdict
-# Rounds each side needs at a batch size before a verdict there. With one plain round against two drafting ones, a
-# single plain step's timing decided whether drafting ran for a whole ``explore_interval``.
-VERDICT_ROUNDS = 2
-# Drafting wins a verdict only when it delivers this much more than plain rounds. A re-measurement is judged on a
-# few rounds, and drafting that truly loses by 10% (SmolLM2 at 16 requests) still "wins" some of them by chance; a
-# wrong "draft" also costs what the rounds do not show (drafting desynchronises a batch's requests, so more of them
-# join one by one, each join a prefill and a cache copy), while a wrong "plain" only forgoes a small gain.
-DRAFTING_MARGIN = 1.03
-# A losing drafting side is re-measured only once the plain rounds run since it last drafted are long enough that the
-# re-measurement's expected loss (REMEASURE_ROUNDS drafting rounds at the measured shortfall) is at most this fraction
-# of their time: drafting that lost narrowly is re-measured soon, one that lost badly (SmolLM2 at 64 requests: 45%)
-# rarely, so exploring costs at most about this fraction of the time wherever drafting loses. SmolLM2 at 16 requests
-# (bf16, 2 CPU threads), where drafting steps deliver 15-30% less than plain ones: at 2% the warm runs spent 2-7 of
-# their ~110 steps re-measuring drafting, about 1% of their time.
-EXPLORE_BUDGET = 0.005
-# While drafting wins, plain rounds are taken only now and then (``explore_interval`` apart), so the plain window's
-# rounds span many more rounds than the drafting window's, and a shared machine's speed drifts in between (here: ten
-# plain runs at 16 requests, one command, read 190 to 250 tokens/s). The verdict then compares the last
-# ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds of the same stretch (``compared_rates``): a plain
-# window measured in a slow minute kept drafting on at 16 requests for 22-42 of a run's ~120 steps (windows of 269
-# against 286 tok/s, while plain steps then ran at 345), and the runs read 0.88-0.98 of plain.
-MATCHED_PLAIN_ROUNDS = 4
+# ------------------------------------------------------------------------------------------------------------------
+# Whether drafting pays: the rules generate()'s scheduler and the engine's share
+# ------------------------------------------------------------------------------------------------------------------
+class ConfidenceMemory:
+    """What a sequence's earlier drafts predict about its next one, and when it probes.
 
-
-def realized_window(rows: int) -> int:
-    """Rounds a realized window holds at ``rows`` requests: ``REALIZED_WINDOW``, or enough for
-    ``REALIZED_REQUEST_ROUNDS`` request-rounds (512 rounds at one request, 128 at four, 32 from sixteen)."""
-    if rows < 1:
-        raise ValueError(f"rows must be >= 1, got {rows}")
-    return max(REALIZED_WINDOW, -(-REALIZED_REQUEST_ROUNDS // rows))
-
-
-class RoundWindow(deque):
-    """A realized window: the last ``maxlen`` rounds' ``(tokens emitted, seconds)``, with their totals kept as rounds
-    come and go (a 512-round window is read a few times every round; summing it each time cost more than the
-    decision it serves)."""
-
-    def __init__(self, rounds=(), maxlen: int | None = None):
-        super().__init__(((float(e), float(s)) for e, s in rounds), maxlen)
-        self.tokens = sum(e for e, _ in self)
-        self.seconds = sum(s for _, s in self)
-
-    def append(self, round_: tuple[float, float]) -> None:
-        emitted, seconds = float(round_[0]), float(round_[1])
-        if self.maxlen is not None and len(self) == self.maxlen:
-            old_emitted, old_seconds = self[0]
-            self.tokens -= old_emitted
-            self.seconds -= old_seconds
-        super().append((emitted, seconds))
-        self.tokens += emitted
-        self.seconds += seconds
-
-    def __reduce__(self):  # copies and pickles rebuild the totals from the rounds
-        return type(self), (list(self), self.maxlen)
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError("a RoundWindow only takes rounds through append (its totals follow append alone)")
-
-    appendleft = extend = extendleft = insert = remove = pop = popleft = clear = rotate = _refuse
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
-
-    def rate(self, last: int | None = None) -> float | None:
-        """Tokens per second of the window (of its ``last`` rounds when given), or None when empty."""
-        if last is None:
-            tokens, seconds, count = self.tokens, self.seconds, len(self)
-        else:
-            recent = list(itertools.islice(reversed(self), max(0, last)))
-            tokens, seconds, count = sum(e for e, _ in recent), sum(s for _, s in recent), len(recent)
-        if not count:
-            return None
-        return tokens / seconds if seconds > 0 else float("inf")
-
-
-class RealizedGate:
-    """Judges drafting by what it has actually delivered on this machine.
-
-    ``realized[(rows, drafted)]`` holds ``(tokens emitted, seconds)`` of the last ``realized_window(rows)`` whole rounds
-    (drafter, context catch-up, verification and bookkeeping) at ``rows`` active requests, with drafting or without;
-    their rate is total tokens over total seconds, so one slow round (a hiccup of a shared machine) moves it by a
-    thirty-second (less in longer windows), not by the 30% a moving average would. Every cost a model of the round
-    leaves out or misprices shows up here. The verdicts read past rounds only, so a gate that only chooses whether
-    to draft is lossless.
-    The batched engine keeps one per engine (``EngineMeasurements``); ``generate()`` keeps one at ``rows = 1``.
+    ``smoothed``: an exponential moving average of its drafts' confidences [g], the newest weighted by
+    ``smoothing`` (1: the last draft alone); ``last``: the last draft's. A sequence whose prediction says "do not
+    draft" drafts anyway once it has skipped ``wait`` rounds (a probe, refreshing the prediction); each probe that
+    verifies nothing doubles the wait, up to ``max_probe_interval``, and a draft that is used resets it. The
+    scheduler policy keeps one for its sequence, the batched engine one per request.
     """
 
-    def __init__(self):
-        self.realized: dict[tuple[int, bool], RoundWindow] = {}
-        # Exploration state (not saved: a loaded file starts a fresh schedule of re-measurements)
-        self.steps_since: dict[tuple[int, bool], int] = {}  # rounds at R since the last (drafting, plain) round
-        self.plain_seconds: dict[int, float] = {}  # R -> seconds of plain rounds at R since its last drafting round
-        self.explore_wait: dict[int, int] = {}  # R -> rounds before drafting is re-measured while it loses
-        # R -> drafting rounds since its last re-measurement began (absent: the whole window counts)
-        self.fresh_rounds: dict[int, int] = {}
-        # R -> rounds recorded at R; (R, drafted) -> the round numbers of the window's newest rounds (not saved: a
-        # loaded window's rounds have none, and verdicts use whole windows until plain rounds are numbered again)
-        self.round_count: dict[int, int] = {}
-        self.round_numbers: dict[tuple[int, bool], deque[int]] = {}
+    def __init__(self, probe_interval: int = 4, max_probe_interval: int = 64, smoothing: float = 0.1,
+                 prior: torch.Tensor | None = None):
+        if probe_interval < 1 or max_probe_interval < probe_interval:
+            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
+                             f"{max_probe_interval}")
+        if not 0.0 < smoothing <= 1.0:
+            raise ValueError(f"confidence_smoothing must be in (0, 1], got {smoothing}")
+        self.probe_interval, self.max_probe_interval, self.smoothing = probe_interval, max_probe_interval, smoothing
+        self.smoothed = self.last = prior
+        self.idle = 0  # rounds since the last draft
+        self.wait = probe_interval  # idle rounds before the next probe
 
-    def record_step(self, rows: int, drafted: bool, emitted: int, seconds: float) -> None:
-        """One whole round at ``rows`` requests: whether it drafted, the tokens it emitted, its seconds."""
-        key = (rows, drafted)
-        window = self.realized.get(key)
-        if window is None:
-            window = self.realized[key] = RoundWindow(maxlen=realized_window(rows))
-        window.append((emitted, seconds))
-        self.round_count[rows] = self.round_count.get(rows, 0) + 1
-        self.round_numbers.setdefault(key, deque(maxlen=realized_window(rows))).append(self.round_count[rows])
-        self.steps_since[key] = 0
-        self.plain_seconds[rows] = 0.0 if drafted else self.plain_seconds.get(rows, 0.0) + float(seconds)
-        if drafted and rows in self.fresh_rounds:
-            self.fresh_rounds[rows] += 1
-            if self.fresh_rounds[rows] >= realized_window(rows):  # the window holds fresh rounds only
-                del self.fresh_rounds[rows]
-        other = (rows, not drafted)
-        self.steps_since[other] = self.steps_since.get(other, 0) + 1
+    @property
+    def probe_due(self) -> bool:
+        return self.idle >= self.wait
 
-    def realized_rate(self, rows: int, drafted: bool, last: int | None = None) -> float | None:
-        """Tokens per second of the recent whole rounds at ``rows`` requests (with drafting or without; only the
-        ``last`` ones when given), or None."""
-        window = self.realized.get((rows, drafted))
-        return None if window is None else window.rate(last)
+    def drafted(self, confidences: torch.Tensor, verified: int) -> None:
+        """A round drafted with ``confidences`` [g] and verified ``verified`` of its drafts."""
+        previous, w = self.smoothed, self.smoothing
+        same = previous is not None and previous.shape == confidences.shape
+        self.smoothed = (1.0 - w) * previous + w * confidences if same else confidences
+        self.last, self.idle = confidences, 0
+        self.wait = self.probe_interval if verified > 0 else min(2 * self.wait, self.max_probe_interval)
 
-    # -- the realized gate ---------------------------------------------------------------------------------------
-    def drafting_allowed(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True,
-                         catch_up: float = 0.0) -> bool:
-        """Whether a round (an engine step) at ``rows`` requests may draft, judged by the tokens per second recent
-        whole rounds delivered there: free until drafting has been measured twice (``VERDICT_ROUNDS``); then plain
-        rounds at once until the plain side has been measured twice there (and one every ``explore_interval``
-        rounds while drafting wins, to keep the plain side fresh; scaled by the window, ``realized_window(rows) /
-        REALIZED_WINDOW``: every 16 * ``explore_interval`` rounds at one request); otherwise the faster side,
-        re-measuring a losing drafting side after a wait that starts at ``explore_interval`` and doubles (up to
-        ``max_explore_interval``) while drafting keeps losing, and that also lasts until the expected loss of the
-        re-measurement (``REMEASURE_ROUNDS`` drafting rounds at the measured shortfall) is at most ``explore_budget``
-        of the plain rounds' seconds since drafting last ran (``remeasure_loss``; never past ``max_explore_interval``
-        rounds; 0 turns this off). A re-measurement drafts ``REMEASURE_ROUNDS`` rounds and is judged on its own rounds (then on
-        every round since it began, up to the window), not on the window of the stretch that made drafting lose.
+    def skipped(self) -> None:
+        """A round that did not draft."""
+        self.idle += 1
 
-        A batch size where drafting has not been measured twice yet takes the verdict of the nearest smaller one
-        where both sides were: when drafting loses there, it is presumed to lose here too (each verified draft
-        widens a larger batch, and the budget shrinks with load), so a rising load does not pay a full-width
-        drafting step at every new batch size to learn what the smaller ones already showed. Those smaller batch
-        sizes keep re-measuring drafting; once it wins there, the larger ones are free to try again. It also takes a
-        loss measured at the nearest larger size up to twice its own (``drafting_lost_nearby``), so a draining batch
-        does not re-learn it at every size. A size presumed to lose from a neighbour is still measured itself, on
-        the schedule of a loss measured there (the wait, then the budget, priced by the neighbour's shortfall): the
-        neighbour's rounds may have been other work, e.g. the last tokens of a draining batch, whose drafts are
-        capped short, and a load that then settles at this size would otherwise never draft again. Drafting wins a
-        verdict only by ``DRAFTING_MARGIN``.
 
-        ``representative=False`` marks a round unlike most (the engine: one where most requests take their first
-        step after the prompt, whose drafts are accepted about twice as often as later ones): it drafts only on a
-        verdict already measured, never as one of the few rounds that measure drafting (unmeasured, or re-measured),
-        which wait for the next round instead. Two such rounds would make a verdict that later rounds overturn only
-        after drafting has lost through a window of them.
+def expected_round(conditionals: torch.Tensor, lengths: Sequence[int], sps_table: torch.Tensor,
+                   padded: bool = True) -> tuple[float, float]:
+    """What verifying ``lengths`` drafts (one per row, on the host) of R rows with these conditional acceptances
+    [R, g] is expected to deliver: ``(R + sum of the admitted prefix survivals, seconds of the verify forward)``, the
+    forward priced at ``SPS(B)`` with B the padded batch ``R * (1 + longest)`` (or the packed ``R + sum of
+    lengths``)."""
+    survival = torch.cumprod(conditionals.float().clamp(0, 1), dim=-1)
+    limits = torch.tensor(list(lengths), device=survival.device)
+    admitted = torch.arange(survival.shape[-1], device=survival.device) < limits[:, None]
+    rows = survival.shape[0]
+    batch = rows * (1 + max(lengths)) if padded else rows + sum(lengths)
+    return rows + float((survival * admitted).sum()), 1.0 / float(sps_table[min(batch, sps_table.shape[0] - 1)])
 
-        ``catch_up``: seconds a drafting round now would spend before it drafts, bringing the drafter's context up to
-        date with what plain rounds verified since it last ran (the batched engine projects those features lazily,
-        when a row next drafts). A re-measurement of a losing side pays it on its first round, and it is lost with
-        the re-measurement when drafting still loses, so it is priced with ``remeasure_loss`` against the budget.
-        The rounds' own rates already carry the catch-ups they paid; this prices the next one."""
-        allowed, action = self.drafting_verdict(rows, explore_interval, max_explore_interval, explore_budget,
-                                                representative, catch_up)
-        if action == "reset":  # drafting wins: a later loss starts from the shortest wait again
-            self.explore_wait[rows] = explore_interval
-        elif action == "remeasure":
-            # Re-measure drafting now, judged on REMEASURE_ROUNDS new rounds alone: the rounds from before the wait
-            # came from other text (a hard stretch that made drafting lose), and one new round added to them could
-            # hardly change the verdict, so a passing bad stretch would keep drafting off for ever longer waits.
-            self.explore_wait[rows] = min(2 * self.explore_wait.get(rows, explore_interval), max_explore_interval)
-            self.fresh_rounds[rows] = 0
-        return allowed
 
-    def drafting_verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                         explore_budget: float = EXPLORE_BUDGET, representative: bool = True,
-                         catch_up: float = 0.0) -> tuple[bool, str | None]:
-        """``drafting_allowed``'s verdict without changing any state: (allowed, action), the action being
-        ``"reset"`` (drafting wins: its wait starts over), ``"remeasure"`` (a re-measurement of a losing drafting
-        side starts now) or None. A caller may ask it as often as it likes, e.g. to skip everything else a round's
-        drafting decision costs when the gate rules drafting out anyway."""
-        if not math.isfinite(catch_up) or catch_up < 0:
-            raise ValueError(f"catch_up must be a finite number of seconds >= 0, got {catch_up}")
-        allowed, action = self._verdict(rows, explore_interval, max_explore_interval, explore_budget, catch_up)
-        if allowed and action != "reset" and not representative:
-            return False, None  # a round that would measure drafting: wait for a representative one
-        return allowed, action
-
-    def _verdict(self, rows: int, explore_interval: int, max_explore_interval: int,
-                 explore_budget: float, catch_up: float = 0.0) -> tuple[bool, str | None]:
-        drafting = self.realized.get((rows, True))
-        fresh = self.fresh_rounds.get(rows)
-        if fresh is not None and fresh < REMEASURE_ROUNDS:
-            return True, None  # a re-measurement under way: its verdict comes from its own rounds
-        if drafting is None or len(drafting) < VERDICT_ROUNDS:
-            loser = self.nearby_loss(rows)
-            if loser is None:
-                return True, None  # not measured here: free, unless a size it follows lost
-            # Presumed to lose here from a size nearby, whose rounds may have been other work (a draining batch's
-            # last tokens, their drafts capped short): measure it here too, on the schedule a loss measured here
-            # would get, the expected loss priced by the nearby size's rounds.
-            return self._remeasure_verdict(rows, loser, self.realized_rate(loser, False), explore_interval,
-                                           max_explore_interval, explore_budget, catch_up)
-        plain = self.realized.get((rows, False))
-        if plain is None or len(plain) < VERDICT_ROUNDS:
-            # Drafting is measured here and plain not yet enough: measure plain now. A plain round costs nothing next
-            # to plain decoding, while every drafting round run before the verdict may be a loss.
-            return False, None
-        drafting_rate, plain_rate = self.compared_rates(rows)
-        # the plain side is refreshed at the same pace relative to its window at every batch size: a round every
-        # explore_interval at 16 requests and more, every 16 * explore_interval at one request (512-round windows)
-        refresh = explore_interval * realized_window(rows) // REALIZED_WINDOW
-        fresh_plain = self.steps_since.get((rows, False), 0) < refresh
-        if drafting_rate >= DRAFTING_MARGIN * plain_rate:
-            return fresh_plain, "reset"  # a stale plain side is re-measured too: a slow step there must not stick
-        return self._remeasure_verdict(rows, rows, plain_rate, explore_interval, max_explore_interval,
-                                       explore_budget, catch_up)
-
-    def _remeasure_verdict(self, rows: int, priced_by: int, plain_rate: float, explore_interval: int,
-                           max_explore_interval: int, explore_budget: float,
-                           catch_up: float = 0.0) -> tuple[bool, str | None]:
-        """Drafting loses at ``rows``: re-measure it once the wait is over and the expected loss (``remeasure_loss``
-        of the rounds at ``priced_by``, against ``plain_rate``, plus the ``catch_up`` its first round pays) is within
-        ``explore_budget`` of the plain rounds' time since drafting last ran at ``rows`` (or ``max_explore_interval``
-        rounds have passed)."""
-        since = self.steps_since.get((rows, True), 0)
-        if since < self.explore_wait.get(rows, explore_interval):
-            return False, None
-        if (explore_budget > 0 and since < max_explore_interval
-                and explore_budget * self.plain_seconds.get(rows, 0.0)
-                < self.remeasure_loss(priced_by, plain_rate) + catch_up):
-            return False, None  # drafting lost by so much that re-measuring now would spend more than the budget
-        return True, "remeasure"
-
-    def remeasure_loss(self, rows: int, plain_rate: float) -> float:
-        """Expected seconds a re-measurement of drafting at ``rows`` loses against plain rounds: ``REMEASURE_ROUNDS``
-        drafting rounds of the window's mean length, times the fraction of them plain rounds would have saved."""
-        window = self.realized.get((rows, True))
-        drafting_rate = self.drafting_rate(rows)
-        if not window or drafting_rate is None or plain_rate <= 0:
-            return 0.0
-        shortfall = max(0.0, 1.0 - drafting_rate / plain_rate)
-        return REMEASURE_ROUNDS * window.seconds / len(window) * shortfall
-
-    def drafting_lost_nearby(self, rows: int) -> bool:
-        """Whether drafting delivered less than ``DRAFTING_MARGIN`` times plain rounds' tokens per second at the
-        largest batch size below ``rows``, or at the smallest one above it up to ``2 * rows``, where both sides were
-        measured (each at least ``VERDICT_ROUNDS`` times). Below: the budget shrinks as load grows. Above, within a
-        factor of two: a batch draining from a size where drafting lost (requests finishing one by one) would
-        otherwise pay two drafting rounds at every size on the way down to learn the same thing."""
-        return self.nearby_loss(rows) is not None
-
-    def nearby_loss(self, rows: int) -> int | None:
-        """The batch size whose loss ``drafting_lost_nearby`` finds for ``rows`` (the one below first), or None."""
-        measured = [r for (r, drafted), window in self.realized.items()
-                    if drafted and r != rows and r <= 2 * rows and len(window) >= VERDICT_ROUNDS
-                    and len(self.realized.get((r, False), ())) >= VERDICT_ROUNDS]
-        below = [r for r in measured if r < rows]
-        above = [r for r in measured if r > rows]
-        for r in ([max(below)] if below else []) + ([min(above)] if above else []):
-            drafting_rate, plain_rate = self.compared_rates(r)
-            if drafting_rate < DRAFTING_MARGIN * plain_rate:
-                return r
-        return None
-
-    def compared_rates(self, rows: int) -> tuple[float | None, float | None]:
-        """The drafting and plain rates a verdict at ``rows`` compares: the last ``MATCHED_PLAIN_ROUNDS`` plain rounds
-        against the drafting rounds recorded since the first of them (only those of a re-measurement, once it has
-        run its rounds), when there are ``VERDICT_ROUNDS`` of those: both sides from the same stretch, so a machine
-        that ran slower or faster when the plain side was last measured does not decide. Otherwise (too few
-        numbered rounds) ``drafting_rate`` against the whole plain window."""
-        plain_numbers = self.round_numbers.get((rows, False))
-        drafting_numbers = self.round_numbers.get((rows, True))
-        if plain_numbers and drafting_numbers and len(plain_numbers) >= MATCHED_PLAIN_ROUNDS:
-            start = plain_numbers[-MATCHED_PLAIN_ROUNDS]
-            since = sum(1 for _ in itertools.takewhile(lambda n: n > start, reversed(drafting_numbers)))
-            fresh = self.fresh_rounds.get(rows)
-            if fresh is not None and fresh >= REMEASURE_ROUNDS:
-                since = min(since, fresh)
-            if since >= VERDICT_ROUNDS:
-                return (self.realized_rate(rows, True, last=since),
-                        self.realized_rate(rows, False, last=MATCHED_PLAIN_ROUNDS))
-        return self.drafting_rate(rows), self.realized_rate(rows, False)
-
-    def drafting_rate(self, rows: int) -> float | None:
-        """The drafting side's rate behind the verdicts at ``rows``: the rounds since the last re-measurement began
-        once it has run its ``REMEASURE_ROUNDS``, else the whole window (the verdict before it)."""
-        fresh = self.fresh_rounds.get(rows)
-        return self.realized_rate(rows, True, last=fresh if fresh is not None and fresh >= REMEASURE_ROUNDS else None)
+def drafting_pays(tokens: float, verify_seconds: float, draft_seconds: float, plain_rate: float,
+                  drafting_factor: float = 1.0, plain_factor: float = 1.0) -> bool:
+    """Whether a drafting round expected to deliver ``tokens`` in ``verify_seconds + draft_seconds`` beats plain
+    decoding's ``plain_rate`` tokens per second, each side scaled by what its recent rounds delivered against this
+    prediction (the engine's ``EngineMeasurements.model_factor``; 1 in ``generate()``)."""
+    return tokens / (verify_seconds + draft_seconds) * drafting_factor > plain_rate * plain_factor
 
 
 @register_verification_policy("scheduler")
@@ -669,11 +457,6 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         ungated scheduler's 1.00x in the same run (``hf-dspark bench --policies scheduler scheduler=gated``): one
         sequence gives it too few drafting rounds per verdict, and what it blocks includes the rounds that would have
         won."""
-        if probe_interval < 1 or max_probe_interval < probe_interval:
-            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
-                             f"{max_probe_interval}")
-        if not 0.0 < confidence_smoothing <= 1.0:
-            raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
         if explore_interval < 1 or max_explore_interval < explore_interval:
             raise ValueError(f"need 1 <= explore_interval <= max_explore_interval, got {explore_interval}, "
                              f"{max_explore_interval}")
@@ -684,18 +467,15 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         self._plain_rate = None if sps is None else float(self._table[1])  # SPS(1): plain decoding's tokens/s
         self.online_correction = online_correction
         self.skip_drafting = skip_drafting
-        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
-        self.confidence_smoothing = confidence_smoothing
         self.realized_gate = realized_gate
         self.explore_interval, self.max_explore_interval = explore_interval, max_explore_interval
         self.explore_budget = explore_budget
         self.gate: RealizedGate | None = None
         self.correction: OnlineSurvivalCorrection | None = None
-        self._round: tuple[torch.Tensor, int] | None = None  # this round's raw confidences and verified length
-        self._stale: torch.Tensor | None = None  # moving average of the drafted rounds' raw confidences
-        self._stale_version = 0  # bumped whenever the moving average, the correction or the profile changes
+        self.memory = ConfidenceMemory(probe_interval, max_probe_interval, confidence_smoothing)
+        self._round: tuple[torch.Tensor, torch.Tensor, int] | None = None  # this round's (raw, uncapped, length)
+        self._stale_version = 0  # bumped whenever the memory, the correction or the profile changes
         self._stale_plans: dict[tuple[int, int], tuple[int, float, float]] = {}  # see _stale_plan
-        self._idle, self._wait = 0, probe_interval
 
     @classmethod
     def from_generation_config(cls, generation_config, block_size):
@@ -741,27 +521,25 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         return int(prefix_schedule(confidences[:max_drafts].view(1, -1), table)[0])
 
     def num_to_verify(self, confidences, max_drafts):
-        corrected = self._corrected(confidences)
-        length = self._schedule(corrected, max_drafts)
-        raw = confidences.float().clone()
+        """Algorithm 1 for the policy's one sequence (``generate()``). The engine, whose rows are many sequences,
+        shares a batch's budget with the same Algorithm over its own repriced SPS tables (``engine.decisions``)."""
+        current = confidences.float().detach()
+        length = self._schedule(self._corrected(current), max_drafts)
+        raw = current.clone()
         raw[max_drafts:] = 0.0
-        self._round = (raw, length)
-        current = confidences.float().detach().clone()  # uncapped: caps apply when the estimate is used
-        self._stale = current if self._stale is None or self._stale.shape != current.shape else (
-            (1.0 - self.confidence_smoothing) * self._stale + self.confidence_smoothing * current)
-        self._stale_version += 1
+        self._round = (raw, current.clone(), length)  # uncapped: caps apply when the memory is used
         return length
 
     def observe(self, verified, accepted):
         if self._round is None:  # a round without drafting
-            self._idle += 1
+            self.memory.skipped()
             return
-        raw, length = self._round
-        self._round, self._idle = None, 0
-        self._wait = self.probe_interval if length > 0 else min(2 * self._wait, self.max_probe_interval)
+        raw, current, length = self._round
+        self._round = None
+        self.memory.drafted(current, length)
+        self._stale_version += 1
         if self.correction is not None and length > 0:
             self.correction.observe(raw.view(1, -1), torch.tensor([length]), torch.tensor([accepted]))
-            self._stale_version += 1
 
     def should_draft(self, max_drafts, draft_seconds=None):
         if not self._confidences_would_draft(max_drafts, draft_seconds):
@@ -772,88 +550,30 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         return True
 
     def _confidences_would_draft(self, max_drafts, draft_seconds):
-        if not self.skip_drafting or self._stale is None or self._idle >= self._wait:
+        if not self.skip_drafting or self.memory.smoothed is None or self.memory.probe_due:
             return True  # nothing to predict from yet, or a probe is due
-        length, tokens, sps = self._stale_plan(max_drafts)
+        length, tokens, seconds = self._stale_plan(max_drafts)
         if length == 0:
             return False
-        if draft_seconds is None:
-            return True
-        return tokens / (1.0 / sps + draft_seconds) > self._plain_rate
+        return draft_seconds is None or drafting_pays(tokens, seconds, draft_seconds, self._plain_rate)
 
     def _stale_plan(self, max_drafts: int) -> tuple[int, float, float]:
         """What the smoothed past confidences (with the correction learnt up to now) predict for a block drafted this
-        round: ``(length, 1 + sum of its prefix survivals, SPS(1 + length))``. It changes only when a block round
-        updates them, so the rounds in between reuse it without reading the device again."""
+        round: ``(length, 1 + sum of its prefix survivals, seconds of its verify forward)``. It changes only when a
+        block round updates them, so the rounds in between reuse it without reading the device again."""
         plan = self._stale_plans.get((self._stale_version, max_drafts))
         if plan is None:
-            stale = self._corrected(self._stale)
+            stale = self._corrected(self.memory.smoothed)
             length = self._schedule(stale, max_drafts)
-            plan = (length, *self._round_value(stale, length))
+            plan = (length, *expected_round(stale.view(1, -1), [length], self._table))
             self._stale_plans = {(self._stale_version, max_drafts): plan}
         return plan
 
-    def _expected_rate(self, conditionals: torch.Tensor, length: int, draft_seconds: float = 0.0) -> float:
-        """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances:
-        ``(1 + sum of prefix survivals) / (1 / SPS(1 + length) + draft_seconds)``."""
-        tokens, sps = self._round_value(conditionals, length)
-        return tokens / (1.0 / sps + draft_seconds)
-
-    def _round_value(self, conditionals: torch.Tensor, length: int) -> tuple[float, float]:
-        """``(1 + sum of the first length prefix survivals, SPS(1 + length))``: a round's expected tokens and its
-        verification rate."""
-        survival = torch.cumprod(conditionals[:length].float().clamp(0, 1), dim=0)
-        return 1.0 + float(survival.sum()), float(self._table[min(1 + length, self._table.shape[0] - 1)])
-
-
-class LookupSurvival:
-    """Per-position acceptance of prompt-lookup drafts, learned from their own verified rounds.
-
-    A lookup draft continues an earlier occurrence of the sequence's last ``n`` tokens; how often the target agrees
-    depends on ``n`` (a one-token match is a guess, a four-token match usually a copy) and on the position in the
-    draft. For each match-length bucket and position k the estimate of P(draft k accepted | drafts 1..k-1 accepted)
-    is ``(accepted_k + m * prior_n) / (reached_k + m)``: ``m`` pseudo-observations at the bucket's prior, so the first
-    rounds follow the prior and the measured rate takes over as rounds come in.
-    """
-
-    PRIORS = (0.3, 0.5, 0.6, 0.7)  # match length 1, 2, 3, >= 4
-
-    def __init__(self, max_tokens: int, pseudo_count: float = 4.0):
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.pseudo_count = pseudo_count
-        buckets = len(self.PRIORS)
-        self.reached = torch.zeros(buckets, max_tokens, dtype=torch.float64)
-        self.accepted = torch.zeros(buckets, max_tokens, dtype=torch.float64)
-
-    @classmethod
-    def bucket(cls, match_length: int) -> int:
-        return min(max(int(match_length), 1), len(cls.PRIORS)) - 1
-
-    def _cover(self, num_tokens: int) -> None:
-        """Grow the per-position counts to ``num_tokens`` positions (new positions start at the prior)."""
-        extra = num_tokens - self.reached.shape[1]
-        if extra > 0:
-            self.reached = torch.nn.functional.pad(self.reached, (0, extra))
-            self.accepted = torch.nn.functional.pad(self.accepted, (0, extra))
-
-    def confidences(self, match_length: int, num_tokens: int) -> torch.Tensor:
-        """Conditional acceptance estimates [num_tokens] for a draft found with a ``match_length``-token match."""
-        b = self.bucket(match_length)
-        self._cover(num_tokens)
-        k = num_tokens
-        prior = self.PRIORS[b]
-        estimate = (self.accepted[b, :k] + self.pseudo_count * prior) / (self.reached[b, :k] + self.pseudo_count)
-        return estimate.float()
-
-    def observe(self, match_length: int, verified: int, accepted: int) -> None:
-        """One verified lookup round: ``verified`` drafts went to the target, the first ``accepted`` survived."""
-        b = self.bucket(match_length)
-        self._cover(verified)
-        k = torch.arange(self.reached.shape[1])
-        reached = (k < verified) & (k <= accepted)  # draft k+1 was verified with drafts 1..k accepted
-        self.reached[b] += reached.double()
-        self.accepted[b] += (reached & (k < accepted)).double()
+    def _expected_rate(self, conditionals: torch.Tensor, length: int) -> float:
+        """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances
+        (``expected_round`` at one row, no drafter time: a draft source that costs nothing to propose)."""
+        tokens, seconds = expected_round(conditionals.view(1, -1), [length], self._table)
+        return tokens / seconds
 
 
 # The longest prompt-lookup draft the hybrid policy considers (``generation_config.lookup_max_tokens``): a lookup
@@ -871,22 +591,24 @@ def lookup_max_tokens(generation_config: Any) -> int:
 
 @register_verification_policy("hybrid")
 class HybridPolicy(PrefixSchedulerPolicy):
-    """Two draft sources under one cost model: the drafter's block and a prompt lookup (the continuation of the
-    latest earlier occurrence of the sequence's last tokens, free to propose).
+    """Several draft sources under one cost model: the drafter's block and the sources named in ``draft_sources``
+    (by default the prompt lookup: the continuation of the latest earlier occurrence of the sequence's last tokens,
+    free to propose; ``drafting.DRAFT_SOURCES``).
 
-    Each round the lookup's drafts are priced from ``LookupSurvival`` as Algorithm 1 prices the block's, by expected
-    tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; the block is priced from its smoothed past confidences and
-    the drafter's measured time (as the scheduler's skip rule does); plain decoding at ``SPS(1)``. The best source
-    drafts: a round the lookup wins skips the drafter's forward (its context is still extended with the new target
-    features, so the next block sees the whole sequence). Where nothing predicts the block yet, or a probe of it is
-    due, a paying lookup still goes first: the block is probed on a round without one.
+    Each round every source's offer is priced from its own confidences (the lookup's ``LookupSurvival``) as
+    Algorithm 1 prices the block's, by expected tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; the block is
+    priced from its smoothed past confidences and the drafter's measured time (as the scheduler's skip rule does);
+    plain decoding at ``SPS(1)``. The best source drafts: a round an offer wins skips the drafter's forward (its
+    context is still extended with the new target features, so the next block sees the whole sequence). Where
+    nothing predicts the block yet, or a probe of it is due, a paying offer still goes first: the block is probed on
+    a round without one.
 
-    Lossless for greedy decoding and sampling: a lookup draft is deterministic, so the candidate generator hands the
-    target a one-hot q for it, and the choice of source and length uses only earlier rounds and the lookup's
-    position in the sequence, never the target's verdict on the drafts being verified.
+    Lossless for greedy decoding and sampling: an offer's drafts are deterministic, so the target gets a one-hot q
+    for them, and the choice of source and length uses only earlier rounds and the sequence's own tokens, never the
+    target's verdict on the drafts being verified.
     """
 
-    uses_lookup = True
+    draft_sources = ("lookup",)
 
     def __init__(self, *args, max_ngram: int = 4, max_lookup_tokens: int = LOOKUP_MAX_TOKENS, **kwargs):
         super().__init__(*args, **kwargs)
@@ -915,31 +637,34 @@ class HybridPolicy(PrefixSchedulerPolicy):
         """The estimator this policy prices lookup drafts with (shared across calls, like the realized gate)."""
         self.lookup = survival
 
-    def lookup_length(self, confidences: torch.Tensor, max_drafts: int) -> tuple[int, float]:
-        """Algorithm 1 over the lookup's conditionals: (drafts to verify, expected tokens per second)."""
+    def offer_length(self, confidences: torch.Tensor) -> tuple[int, float]:
+        """Algorithm 1 over an offer's conditionals [n]: (drafts to verify, expected tokens per second)."""
         if self._table is None:
             raise ValueError("the hybrid policy needs an SPS profile (generation_config.sps_profile)")
-        length = self._schedule(confidences, max_drafts)
+        length = self._schedule(confidences, confidences.shape[0])
         return (length, self._expected_rate(confidences, length)) if length else (0, 0.0)
 
     def block_rate(self, max_drafts: int, draft_seconds: float | None) -> float | None:
         """Predicted tokens per second of drafting a block this round, or None when nothing predicts it yet or a
         probe of the block is due (the block's own rounds are what teach the prediction)."""
-        if self._stale is None or self._idle >= self._wait or draft_seconds is None:
+        if self.memory.smoothed is None or self.memory.probe_due or draft_seconds is None:
             return None
-        length, tokens, sps = self._stale_plan(max_drafts)
-        return tokens / (1.0 / sps + draft_seconds) if length else 0.0
+        length, tokens, seconds = self._stale_plan(max_drafts)
+        return tokens / (seconds + draft_seconds) if length else 0.0
 
-    def choose_source(self, lookup_confidences: torch.Tensor | None, max_drafts: int,
-                      draft_seconds: float | None) -> tuple[str, int]:
-        """``("lookup", l)``, ``("block", 0)`` (draft, then schedule the block's length) or ``("none", 0)``.
-        ``max_drafts`` bounds the block; a lookup draft is as long as its ``lookup_confidences`` at most."""
-        if lookup_confidences is not None and lookup_confidences.shape[0] > 0:
-            length, rate = self.lookup_length(lookup_confidences, lookup_confidences.shape[0])
-            if length > 0 and rate > self._plain_rate:
-                block = self.block_rate(max_drafts, draft_seconds)
-                if block is None or rate >= block:
-                    return "lookup", length
+    def choose_source(self, offers: Sequence[Any], max_drafts: int, draft_seconds: float | None) -> tuple[str, int]:
+        """``(source, l)`` for the offer (a ``drafting.Draft`` of one row) that pays best, ``("block", 0)`` (draft,
+        then schedule the block's length) or ``("none", 0)``. ``max_drafts`` bounds the block; an offer verifies
+        at most its own drafts."""
+        best, best_rate, best_length = None, self._plain_rate, 0
+        for offer in offers:
+            length, rate = self.offer_length(offer.confidences[0]) if offer.num_tokens else (0, 0.0)
+            if length > 0 and rate > best_rate:
+                best, best_rate, best_length = offer.source, rate, length
+        if best is not None:
+            block = self.block_rate(max_drafts, draft_seconds)
+            if block is None or best_rate >= block:
+                return best, best_length
         return ("block", 0) if self.should_draft(max_drafts, draft_seconds) else ("none", 0)
 
 
@@ -967,24 +692,19 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 
 
 __all__ = [
+    "ConfidenceMemory",
     "ConfidenceThresholdPolicy",
     "HybridPolicy",
     "LookupSurvival",
     "LOOKUP_MAX_TOKENS",
     "lookup_max_tokens",
-    "DRAFTING_MARGIN",
-    "EXPLORE_BUDGET",
-    "MATCHED_PLAIN_ROUNDS",
     "PrefixSchedulerPolicy",
-    "REALIZED_REQUEST_ROUNDS",
-    "REALIZED_WINDOW",
-    "REMEASURE_ROUNDS",
     "RealizedGate",
-    "RoundWindow",
     "StepsPerSecond",
+    "drafting_pays",
     "dynamic_topk_capacity",
+    "expected_round",
     "prefix_schedule",
-    "realized_window",
     "topk_schedule",
     "FixedLengthPolicy",
     "VERIFICATION_POLICIES",
@@ -992,4 +712,5 @@ __all__ = [
     "policy_from_generation_config",
     "register_verification_policy",
     "threshold_length",
+    "threshold_lengths",
 ]

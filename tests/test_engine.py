@@ -24,8 +24,9 @@ from hf_dspark.engine import (
     schedule_batch,
     speculative_verify,
 )
+from hf_dspark.engine.decisions import DraftingDecisions
 from hf_dspark.profiling import BatchedStepsPerSecond
-from hf_dspark.scheduling import StepsPerSecond
+from hf_dspark.scheduling import ConfidenceMemory, StepsPerSecond
 from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target, require_smollm2
 from tests.test_sampling import VOCAB, chi_square_pvalue, exact_pair_distribution
 
@@ -403,8 +404,9 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     prompts = in_distribution_prompts(target, 5)
     probe = 3
     engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS, probe_interval=probe)
-    engine._drafts_can_pay = lambda caps, table, rows=None: True  # probe as if a certain draft could pay (see the next test)
-    engine._representative = lambda: True  # the realized gate may measure on the first step too
+    # probe as if a certain draft could pay (see the next test)
+    engine.decisions.drafts_can_pay = lambda caps, table, rows=None: True
+    engine.decisions.representative = lambda: True  # the realized gate may measure on the first step too
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
     engine.run()
     assert sum(engine.stats.verify_tokens) == 0
@@ -426,8 +428,9 @@ def test_no_drafting_when_even_certain_drafts_cannot_pay(tiny_targets, trained_d
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     for _ in range(5):
         engine.step()
-    assert sum(engine.stats.drafting) == 0 and engine._context.width == 0
-    assert all(engine._context.num_pending(r) == len(request.prompt_ids) + 5 for r, request in enumerate(engine._rows))
+    assert sum(engine.stats.drafting) == 0 and engine.batch.context.width == 0
+    batch = engine.batch
+    assert all(batch.context.num_pending(r) == len(request.prompt_ids) + 5 for r, request in enumerate(batch.rows))
     engine.run()
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 12)
@@ -528,15 +531,13 @@ def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_draft
                               online_correction=False)
         engine.add_request(in_distribution_prompts(target, 1)[0], SamplingParams(max_new_tokens=30))
         engine.step()
-        request = engine._rows[0]
-        request.last_confidences = request.smoothed_confidences = [0.9] * g
-        request.idle_steps = 0
-        request.smoothed_confidences = engine._smoothed(request.smoothed_confidences, [0.01] * g)
-        request.last_confidences = [0.01] * g
-        assert request.smoothed_confidences[0] == pytest.approx((1 - smoothing) * 0.9 + smoothing * 0.01)
-        caps = [min(g, r.remaining - 1) for r in engine._rows]
-        assert (engine._drafting_rows(caps, None) == [0]) is drafts
-        assert engine._stale_confidences()[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
+        request = engine.batch.rows[0]
+        request.memory = ConfidenceMemory(64, 64, smoothing, prior=torch.full((g,), 0.9))
+        request.memory.drafted(torch.full((g,), 0.01), verified=1)
+        assert request.memory.smoothed[0].item() == pytest.approx((1 - smoothing) * 0.9 + smoothing * 0.01)
+        caps = [min(g, r.remaining - 1) for r in engine.batch.rows]
+        assert (engine.decisions.drafting_rows(caps, None) == [0]) is drafts
+        assert engine.decisions.stale_confidences()[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
     with pytest.raises(ValueError, match="confidence_smoothing"):
         DSparkEngine(target, drafter, method="scheduled", confidence_smoothing=1.5)
 
@@ -568,7 +569,7 @@ def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
     the single-sequence budget would re-measure after ~180; with a 0.1 s context catch-up to pay as well (16 rows
     that decoded plain since), after ~3150, which the cap (4096) leaves to the budget."""
     from hf_dspark.engine import ENGINE_EXPLORE_BUDGET, ENGINE_MAX_EXPLORE_INTERVAL
-    from hf_dspark.scheduling import EXPLORE_BUDGET
+    from hf_dspark.gate import EXPLORE_BUDGET
 
     target = make_target("llama")
     drafter = make_drafter(target)
@@ -577,9 +578,9 @@ def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
         engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, **kwargs)
         for _ in range(4):
             engine.measurements.record_step(16, True, emitted=22, seconds=0.08)
-        steps = 0
-        while not engine.measurements.drafting_allowed(16, engine.explore_interval, engine.max_explore_interval,
-                                                       engine.explore_budget, True, catch_up):
+        steps, config = 0, engine.config
+        while not engine.measurements.drafting_allowed(16, config.explore_interval, config.max_explore_interval,
+                                                       config.explore_budget, True, catch_up):
             engine.measurements.record_step(16, False, emitted=16, seconds=0.044)
             steps += 1
             assert steps <= 5000
@@ -609,51 +610,55 @@ def test_realized_gate_decisions():
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
                           max_explore_interval=12, explore_budget=0)  # the doubling wait alone
-    assert engine.realized_gate
-    assert engine._realized_allows_drafting(16)
+    assert engine.decisions.realized_gate
+    assert engine.decisions.realized_allows_drafting(16)
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert engine._realized_allows_drafting(16)  # one drafting step is not a measurement yet
+    assert engine.decisions.realized_allows_drafting(16)  # one drafting step is not a measurement yet
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert not engine._realized_allows_drafting(16)  # drafting measured twice, plain never: measure plain now
+    assert not engine.decisions.realized_allows_drafting(16)  # drafting measured twice, plain never: measure plain now
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
-    assert not engine._realized_allows_drafting(16)  # plain measured once: measure it again (VERDICT_ROUNDS)
-    assert engine._realized_allows_drafting(8)  # no verdict at 16 yet for 8 to take
+    assert not engine.decisions.realized_allows_drafting(16)  # plain measured once: measure it again (VERDICT_ROUNDS)
+    assert engine.decisions.realized_allows_drafting(8)  # no verdict at 16 yet for 8 to take
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert not engine._realized_allows_drafting(16)  # the verdict: plain
-    assert engine._realized_allows_drafting(4)  # a much smaller batch size is judged on its own
-    assert not engine._realized_allows_drafting(8)  # one within half of 16 (a draining batch) takes its verdict
-    assert not engine._realized_allows_drafting(12)
-    assert not engine._realized_allows_drafting(32)  # a larger one not measured yet: drafting lost at 16, so not here
+    assert not engine.decisions.realized_allows_drafting(16)  # the verdict: plain
+    assert engine.decisions.realized_allows_drafting(4)  # a much smaller batch size is judged on its own
+    # one within half of 16 (a draining batch) takes its verdict
+    assert not engine.decisions.realized_allows_drafting(8)
+    assert not engine.decisions.realized_allows_drafting(12)
+    # a larger one not measured yet: drafting lost at 16, so not here
+    assert not engine.decisions.realized_allows_drafting(32)
     engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
     engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
-    assert not engine._realized_allows_drafting(32)  # measured twice at 32 itself, plain never: plain at 32 now
-    assert not engine._realized_allows_drafting(64)  # 32 has no plain steps: 16 (drafting lost) decides
+    # measured twice at 32 itself, plain never: plain at 32 now
+    assert not engine.decisions.realized_allows_drafting(32)
+    assert not engine.decisions.realized_allows_drafting(64)  # 32 has no plain steps: 16 (drafting lost) decides
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(16)  # 3 steps since drafting last ran: re-measure it
+    assert engine.decisions.realized_allows_drafting(16)  # 3 steps since drafting last ran: re-measure it
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert engine._realized_allows_drafting(16)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
+    assert engine.decisions.realized_allows_drafting(16)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next one waits 6 steps
     for _ in range(5):
         engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-        assert not engine._realized_allows_drafting(16)
+        assert not engine.decisions.realized_allows_drafting(16)
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(16)  # 6 steps: re-measure (the wait is now 12, at most 12)
+    assert engine.decisions.realized_allows_drafting(16)  # 6 steps: re-measure (the wait is now 12, at most 12)
     assert engine.measurements.explore_wait[16] == 12
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
     engine.measurements.record_step(16, True, emitted=18, seconds=0.1)  # this re-measurement: 26 / 0.2 s = 130 tok/s
     assert engine.measurements.realized_rate(16, True) < 100  # the whole window (the old losing steps) would say lose
-    assert engine._realized_allows_drafting(16) and engine.measurements.explore_wait[16] == 3  # drafting wins: waits reset
-    assert engine._realized_allows_drafting(24)  # and a larger batch size not yet measured may try again
+    # drafting wins: waits reset
+    assert engine.decisions.realized_allows_drafting(16) and engine.measurements.explore_wait[16] == 3
+    assert engine.decisions.realized_allows_drafting(24)  # and a larger batch size not yet measured may try again
     engine.measurements.record_step(16, True, emitted=40, seconds=0.1)
-    assert not engine._realized_allows_drafting(16)  # winning, but plain last measured 3 steps ago: refresh it
+    assert not engine.decisions.realized_allows_drafting(16)  # winning, but plain last measured 3 steps ago: refresh it
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine._realized_allows_drafting(16)
+    assert engine.decisions.realized_allows_drafting(16)
     for _ in range(40):  # the window keeps the last 32 plain steps: one slow step moves the rate a little
         engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(16, False, emitted=4, seconds=0.4)
     assert engine.measurements.realized_rate(16, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
-    assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).realized_gate
-    assert not DSparkEngine(target, drafter, method="fixed").realized_gate
+    assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).decisions.realized_gate
+    assert not DSparkEngine(target, drafter, method="fixed").decisions.realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
         DSparkEngine(target, drafter, method="scheduled", explore_interval=0)
     with pytest.raises(ValueError, match="explore_budget must be in"):
@@ -669,18 +674,19 @@ def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
     engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, explore_budget=0)
     for drafted, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 4, 0.04)):
         engine.measurements.record_step(4, drafted, emitted=emitted, seconds=seconds)  # drafting lost at 4 rows
-    assert engine.measurements.drafting_verdict(4, engine.explore_interval, engine.max_explore_interval, 0) == (
+    config = engine.config
+    assert engine.measurements.drafting_verdict(4, config.explore_interval, config.max_explore_interval, 0) == (
         False, None)
 
     def decided(*args, **kwargs):
         raise AssertionError("the drafting decision ran")
 
-    monkeypatch.setattr(engine, "_stale_confidences", decided)
-    assert engine._drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
-    assert engine._gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
+    monkeypatch.setattr(engine.decisions, "stale_confidences", decided)
+    assert engine.decisions.drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
+    assert engine.decisions.gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
     with pytest.raises(AssertionError, match="the drafting decision ran"):
-        engine._drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
-    assert not engine._gate_ruled_out
+        engine.decisions.drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
+    assert not engine.decisions.gate_ruled_out
 
 
 def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trained_drafters):
@@ -705,13 +711,15 @@ def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trai
     assert checked == engine.stats.steps - ruled_out, (checked, engine.stats.steps, ruled_out)
 
 
-def _fake_request(index: int, probe_wait: int = 4):
-    """An active request past its first step (the realized gate counts its steps), for the drafting decision alone."""
-    from hf_dspark.engine.batching import _Request
-    from hf_dspark.generation import DSparkStats
+def _fake_request(index: int, probe_wait: int = 4, confidence: float | None = None, block_size: int = 4):
+    """An active request past its first step (the realized gate counts its steps), for the drafting decision alone;
+    ``confidence``: what its earlier drafts predict at every position (None: nothing yet)."""
+    from hf_dspark.drafting import DSparkStats
+    from hf_dspark.engine.requests import Request
 
-    return _Request(str(index), [1, 2, 3], SamplingParams(max_new_tokens=16), frozenset(), DSparkStats(4), 0.0,
-                    tokens=[5, 6, 7], length=5, probe_wait=probe_wait)
+    prior = None if confidence is None else torch.full((block_size,), confidence)
+    return Request(str(index), [1, 2, 3], SamplingParams(max_new_tokens=16), frozenset(), DSparkStats(4), 0.0,
+                   tokens=[5, 6, 7], length=5, memory=ConfidenceMemory(probe_wait, 64, prior=prior))
 
 
 def test_probe_steps_check_the_cost_model():
@@ -722,14 +730,13 @@ def test_probe_steps_check_the_cost_model():
     target = make_target("llama")
     probing = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, realized_gate=False,
                            probe_interval=2)
-    probing._rows = [_fake_request(i, probe_wait=2) for i in range(2)]
+    probing.batch.rows[:] = [_fake_request(i, 2, 0.9, probing.block_size) for i in range(2)]
     probing.measurements.record_draft(2, 10.0)  # a drafter so slow that the model never drafts by itself
-    for request in probing._rows:
-        request.last_confidences = request.smoothed_confidences = [0.9] * probing.block_size
-    assert probing._drafting_rows([3, 3], None) == [] and probing._prediction is None
-    probing._rows[1].idle_steps = 2  # its probe is due
-    assert probing._drafting_rows([3, 3], None) == [0, 1]
-    assert probing._prediction is not None and probing._prediction[1] > 10.0  # priced with the drafter's cost
+    assert probing.decisions.drafting_rows([3, 3], None) == [] and probing.decisions.prediction is None
+    probing.batch.rows[1].memory.idle = 2  # its probe is due
+    assert probing.decisions.drafting_rows([3, 3], None) == [0, 1]
+    # priced with the drafter's cost
+    assert probing.decisions.prediction is not None and probing.decisions.prediction[1] > 10.0
 
 
 @pytest.fixture
@@ -746,7 +753,7 @@ def slow_catch_up(tiny_targets, monkeypatch):
         return flush(self, *args, **kwargs)
 
     monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
-    monkeypatch.setattr(DSparkEngine, "_drafting_pays", lambda self, *args, **kwargs: True)
+    monkeypatch.setattr(DraftingDecisions, "drafting_pays", lambda self, *args, **kwargs: True)
     target = tiny_targets["llama"]
     return [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
 
@@ -851,8 +858,8 @@ def test_context_catch_ups_are_timed_and_price_a_remeasurement(tiny_targets, tra
     assert asked and all(c >= 0 for c in asked) and asked[0] == 0.0
     engine.add_request(prompts[0], SamplingParams(max_new_tokens=4))
     engine._admit()
-    assert engine._catch_up([0]) == pytest.approx(measured.catch_up_seconds(len(prompts[0])))
-    assert engine._catch_up([]) == 0.0
+    assert engine.decisions.catch_up([0]) == pytest.approx(measured.catch_up_seconds(len(prompts[0])))
+    assert engine.decisions.catch_up([]) == 0.0
     loaded = EngineMeasurements.from_dict(measured.to_dict())
     assert list(loaded.catch_up) == list(measured.catch_up)
     old_file = measured.to_dict()
@@ -904,7 +911,7 @@ def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trai
     engine.step()  # admission and the step where every request takes its first step (not recorded)
     recorded.clear()
     while engine.has_unfinished():
-        left = {r.request_id: r.remaining for r in engine._rows}
+        left = {r.request_id: r.remaining for r in engine.batch.rows}
         events = engine.step()
         new = {e.request_id: len(e.token_ids) for e in events if e.request_id in left}
         progress = batch_progress(list(left.values()), [new[k] for k in left])
@@ -935,7 +942,7 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 2)
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
-    assert engine.realized_gate
+    assert engine.decisions.realized_gate
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.step()
     assert engine.stats.drafting == [0] and engine.measurements.realized == {}
@@ -963,15 +970,16 @@ def test_certain_draft_question_is_asked_once_when_every_row_drafts(tiny_targets
         # a steep table (verifying never pays) or a flat one (it always does)
         table = torch.tensor([1.0 / max(1, b) ** rng.choice([0.0, 2.0]) for b in range(rows * (g + 1) + 1)])
         caps = torch.tensor([rng.randint(0, g) for _ in range(rows)])
-        assert engine._drafts_can_pay(caps, table, list(range(rows))) == engine._drafts_can_pay(caps, table)
+        can_pay = engine.decisions.drafts_can_pay
+        assert can_pay(caps, table, list(range(rows))) == can_pay(caps, table)
     asked = []
-    original = engine._drafts_can_pay
+    original = engine.decisions.drafts_can_pay
 
     def recording(caps, table, rows=None):
         asked.append(rows)
         return original(caps, table, rows)
 
-    engine._drafts_can_pay = recording
+    engine.decisions.drafts_can_pay = recording
     for prompt in in_distribution_prompts(target, 2):
         engine.add_request(prompt, SamplingParams(max_new_tokens=12))
     engine.step()  # the first step after the prompts: the gate keeps it plain before any question
@@ -1021,6 +1029,37 @@ def test_moving_average():
     from hf_dspark.engine.measurements import ema
 
     assert ema(None, 2.0) == 2.0 and ema(1.0, 2.0) == pytest.approx(1.3)
+
+
+def test_every_registered_policy_runs_in_the_engine(tiny_targets):
+    """An engine's method is a name in generate()'s policy registry: a policy registered once decides for the
+    engine's drafting rows too (here at most two drafts per row), its output equals plain decoding, and bench-serve
+    takes its name. Settings come as one ``EngineConfig`` (keywords override its fields)."""
+    from hf_dspark.engine import EngineConfig
+    from hf_dspark.engine.bench import parse_method
+    from hf_dspark.scheduling import VERIFICATION_POLICIES, VerificationPolicy, register_verification_policy
+
+    @register_verification_policy("at-most-two")
+    class AtMostTwo(VerificationPolicy):
+        def num_to_verify(self, confidences, max_drafts):
+            return min(2, max_drafts)
+
+    target = tiny_targets["llama"]
+    drafter = make_drafter(target)
+    prompts = [p[0].tolist() for p in random_prompts(3, 8, target.config.vocab_size, seed=3)]
+    params = SamplingParams(max_new_tokens=12)
+    try:
+        plain = generate_batch(target, prompts, params=params)
+        config = EngineConfig(method="fixed")
+        out = generate_batch(target, prompts, drafter, params, config=config, method="at-most-two")
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in plain.outputs]
+        assert all(v <= 2 * a for v, a in zip(out.stats.verify_tokens, out.stats.active)) and sum(out.stats.drafting)
+        threshold = generate_batch(target, prompts, drafter, params, config=EngineConfig(method="threshold"))
+        assert [o.token_ids for o in threshold.outputs] == [o.token_ids for o in plain.outputs]
+        assert parse_method("at-most-two") == {"method": "at-most-two"}
+        assert parse_method("scheduler")["schedule"] == "padded"
+    finally:
+        del VERIFICATION_POLICIES["at-most-two"]
 
 
 def test_bad_requests_raise(tiny_targets):
@@ -1247,7 +1286,7 @@ def test_first_profile_holds_kernel_compiles_back_on_cuda(tiny_targets, monkeypa
 
     import hf_dspark.kernels.scheduler as scheduler
     import hf_dspark.profiling as profiling
-    from hf_dspark.engine import batching
+    from hf_dspark.engine import pricing
 
     target = tiny_targets["llama"]
     held = []
@@ -1266,17 +1305,21 @@ def test_first_profile_holds_kernel_compiles_back_on_cuda(tiny_targets, monkeypa
     monkeypatch.setattr(scheduler, "WARMUP", Warmup())
     monkeypatch.setattr(profiling, "load_or_profile_batched", profile)
     engine = DSparkEngine(target, make_drafter(target), method="scheduled")
-    engine._profiled_table(2)
+    engine.pricing.profiled_table(2)
     assert held == ["profiled"]  # on CPU nothing compiles: nothing to hold
-    engine._sps, engine._sps_tables = None, {}
-    engine.device = torch.device("cuda")  # as on a GPU (the table's copy to it is stubbed below)
+    engine.pricing.sps, engine.pricing._tables = None, {}
+    # as on a GPU (the table's copy to it is stubbed below)
+    engine.device = engine.pricing.device = torch.device("cuda")
     monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self)
-    engine._profiled_table(2)
-    assert held == ["profiled", batching.KERNEL_QUIET_TIMEOUT_S, "profiled", "released"]
+    engine.pricing.profiled_table(2)
+    assert held == ["profiled", pricing.KERNEL_QUIET_TIMEOUT_S, "profiled", "released"]
 
 
 def test_monotone_decreasing_fit():
-    from hf_dspark.profiling import monotone_decreasing
+    from hf_dspark.profiling import monotone_fit
+
+    def monotone_decreasing(values):
+        return monotone_fit(values, decreasing=True)
 
     assert monotone_decreasing([5.0, 4.0, 3.0]) == [5.0, 4.0, 3.0]
     assert monotone_decreasing([5.0, 4.0, 6.0, 3.0]) == [5.0, 5.0, 5.0, 3.0]  # 4 and 6 pooled, then with 5
@@ -1714,7 +1757,7 @@ def test_cli_bench_serve_interleave_needs_one_request_at_a_time(capsys):
 
 
 def test_nondecreasing_fit():
-    from hf_dspark.engine.batching import nondecreasing_fit
+    from hf_dspark.profiling import monotone_fit as nondecreasing_fit
 
     assert nondecreasing_fit([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
     assert nondecreasing_fit([1.0, 3.0, 2.0], [1, 1, 1]) == pytest.approx([1.0, 2.5, 2.5])
@@ -1797,7 +1840,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     rows = engine.num_active
     _set_verify_costs(engine, {(r, w): 0.01 if w == 1 else 10.0
                                for r in range(1, rows + 1) for w in range(1, drafter.config.block_size + 2)}, 1000)
-    table = engine._sps_table(rows)
+    table = engine.pricing.sps_table(rows)
     # timed many times each (a full median window), the measured prices move the profile's flat shape a third of the
     # way (PRICE_PRIOR_TIMINGS): width 2 now costs 1000 ** (1 / 3) = 10x width 1, and every width is dearer than
     # the profile's level
@@ -1808,7 +1851,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     assert all(w == 1 for w in engine.stats.widths[before:])  # every wider block now costs more than it can gain
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 16)
-    assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).adapt_sps  # a given SPS is kept
+    assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).pricing.adapt_sps  # a given SPS kept
 
 
 def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets, trained_drafters):
@@ -1819,11 +1862,11 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     level at the nearest size that ran it. The table stays non-increasing and is cached until a new measurement."""
     import math
 
-    from hf_dspark.engine.batching import PRICE_PRIOR_TIMINGS
+    from hf_dspark.engine.pricing import PRICE_PRIOR_TIMINGS
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True)
-    assert engine._sps_table(4) is engine._profiled_table(4)  # nothing measured: the profile as is
+    assert engine.pricing.sps_table(4) is engine.pricing.profiled_table(4)  # nothing measured: the profile as is
     base = 0.01  # the profile's seconds per step
 
     def price(table, rows, width):  # seconds per verify step
@@ -1832,7 +1875,7 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     # R = 4: width 1 timed 8 times at 2x the profile, width 3 once at 8x (a hiccup); width 2 never
     _set_verify_costs(engine, {(4, 1): 2 * base, (4, 3): 8 * base}, 8)
     engine.measurements.verify_count[(4, 3)] = 1
-    table = engine._sps_table(4)
+    table = engine.pricing.sps_table(4)
     level = (8 * math.log(2) + 1 * math.log(8)) / 9
     assert price(table, 4, 1) == pytest.approx(base * math.exp((8 * math.log(2) + PRICE_PRIOR_TIMINGS * level)
                                                                / (8 + PRICE_PRIOR_TIMINGS)))
@@ -1846,22 +1889,22 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     for w in range(3, drafter.config.block_size + 2):
         assert price(table, 4, w) == pytest.approx(base * math.exp(pooled))
     assert base * math.exp(level) < base * math.exp(pooled) < base * math.exp(width3) < 8 * base
-    assert engine._sps_table(4) is table  # cached
+    assert engine.pricing.sps_table(4) is table  # cached
     # a batch size with nothing measured takes the nearest one's level; a width 3x dearer than the level at R = 4
     # (timed there many times) is 3x dearer at R = 8 too
     _set_verify_costs(engine, {(4, 1): 2 * base, (4, 2): 6 * base}, 1000)
-    table8 = engine._sps_table(8)
+    table8 = engine.pricing.sps_table(8)
     level4 = math.log(4.0 * math.sqrt(0.75))  # the mean of log 2 and log 6
     assert price(table8, 8, 1) == pytest.approx(base * math.exp(level4))
     assert price(table8, 8, 2) == pytest.approx(6 * base)
     assert all(float(table8[8 * w]) >= float(table8[8 * (w + 1)]) for w in range(1, 5))
     # timings shared from a batch size this engine's profile does not cover (4096 tokens) are left out
     _set_verify_costs(engine, {(4, 1): 2 * base, (5000, 1): 1.0}, 16)
-    assert price(engine._sps_table(4), 4, 1) == pytest.approx(2 * base)
+    assert price(engine.pricing.sps_table(4), 4, 1) == pytest.approx(2 * base)
 
 
 def test_online_survival_correction():
-    from hf_dspark.engine.batching import OnlineSurvivalCorrection
+    from hf_dspark.scheduling import OnlineSurvivalCorrection
 
     corr = OnlineSurvivalCorrection(block_size=3, prior=0.0 + 1e-9)
     conf = torch.tensor([[0.8, 0.5, 0.5], [0.8, 0.5, 0.0]])
@@ -1903,7 +1946,8 @@ def test_prefill_groups_are_the_cheapest_split_of_the_sorted_prompts():
     import itertools
 
     from hf_dspark.engine import PrefillCost
-    from hf_dspark.engine.batching import _prefill_groups, _Request
+    from hf_dspark.engine.admission import prefill_groups as _prefill_groups
+    from hf_dspark.engine.requests import Request as _Request
 
     def requests(lengths):
         return [_Request(str(i), [1] * n, SamplingParams(), frozenset(), None, 0.0) for i, n in enumerate(lengths)]
@@ -1993,7 +2037,8 @@ def test_leaving_rows_are_filled_from_the_tail():
     the result equals a full gather in that order, and any other order still gathers."""
     from transformers import DynamicCache
 
-    from hf_dspark.engine.batching import RaggedBatchCache, tail_filled_order
+    from hf_dspark.engine.admission import tail_filled_order
+    from hf_dspark.engine.cache import RaggedBatchCache
 
     assert tail_filled_order([0, 1, 2, 3]) == [0, 1, 2, 3]
     assert tail_filled_order([0, 2, 4, 5]) == [0, 4, 2, 5]
@@ -2076,13 +2121,13 @@ def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trai
     engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
     engine.measurements.record_draft(4, 0.001)  # a cheap drafter
     stale = torch.full((4, drafter.config.block_size), 0.9)
-    table = engine._sps_table(4)
-    predicted = torch.full((4,), 2)
-    assert engine._drafting_pays(stale, predicted, table, 4)
-    assert engine._prediction is not None and engine._prediction[0] > 4  # kept for the step to check
+    table = engine.pricing.sps_table(4)
+    predicted = [2] * 4
+    assert engine.decisions.drafting_pays(stale, predicted, table, 4)
+    assert engine.decisions.prediction is not None and engine.decisions.prediction[0] > 4  # kept for the step to check
     for _ in range(32):  # its drafting steps delivered a fifth of what it predicted
         engine.measurements.record_model_check(4, True, 10.0, 0.01, 2, 0.01)
-    assert not engine._drafting_pays(stale, predicted, table, 4) and engine._prediction is None
+    assert not engine.decisions.drafting_pays(stale, predicted, table, 4) and engine.decisions.prediction is None
 
     served = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
     prompts = in_distribution_prompts(target, 3)

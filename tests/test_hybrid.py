@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_dspark.generation import prompt_lookup
+from hf_dspark.drafting import Draft, prompt_lookup
 from hf_dspark.scheduling import HybridPolicy, LookupSurvival, StepsPerSecond
 from tests.helpers import random_prompts
 from tests.test_greedy_equality import assert_same_greedy, set_policy
@@ -39,18 +39,31 @@ def test_lookup_survival_starts_at_the_prior_and_learns():
     assert survival.confidences(1, 2).tolist() == pytest.approx([0.3, 0.3])  # other buckets untouched
 
 
+def _offer(confidences: list[float], source: str = "lookup") -> Draft:
+    """A free source's one-row offer with these estimated conditional acceptances."""
+    return Draft(torch.arange(len(confidences)).view(1, -1), None, torch.tensor([confidences]), source)
+
+
 def test_choose_source_prices_lookup_block_and_plain():
     policy = HybridPolicy(StepsPerSecond([1, 8], [100.0, 98.0]))
-    sure = torch.tensor([0.95, 0.95, 0.95, 0.9])
-    assert policy.choose_source(sure, 4, None) == ("lookup", 4)
+    sure = [0.95, 0.95, 0.95, 0.9]
+    assert policy.choose_source([_offer(sure)], 4, None) == ("lookup", 4)
     # 1.001 x SPS(2) < SPS(1): the lookup does not pay; with nothing learnt about the block yet, it is probed
-    assert policy.choose_source(torch.tensor([0.001, 0.001]), 4, None)[0] == "block"
+    assert policy.choose_source([_offer([0.001, 0.001])], 4, None)[0] == "block"
     expensive = HybridPolicy(StepsPerSecond([1, 2, 8], [100.0, 40.0, 10.0]))
-    assert expensive.choose_source(torch.tensor([0.5, 0.5]), 4, None)[0] != "lookup"  # 1.5 x 40 < 100
+    assert expensive.choose_source([_offer([0.5, 0.5])], 4, None)[0] != "lookup"  # 1.5 x 40 < 100
     # A block predicted far better than the lookup wins once it has a prediction.
     policy.num_to_verify(torch.tensor([0.99, 0.99, 0.99, 0.99]), 4)
     policy.observe(4, 4)
-    assert policy.choose_source(torch.tensor([0.3, 0.3]), 4, 1e-4) == ("block", 0)
+    assert policy.choose_source([_offer([0.3, 0.3])], 4, 1e-4) == ("block", 0)
+
+
+def test_choose_source_takes_the_best_paying_offer():
+    """Several free sources: the one whose drafts are expected to deliver the most tokens per second drafts."""
+    policy = HybridPolicy(StepsPerSecond([1, 8], [100.0, 98.0]))
+    offers = [_offer([0.6, 0.6], "lookup"), _offer([0.95, 0.95, 0.95], "other")]
+    assert policy.choose_source(offers, 4, None) == ("other", 3)
+    assert policy.choose_source(offers[:1], 4, None) == ("lookup", 2)
 
 
 DEAR_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]}
@@ -254,7 +267,7 @@ class _Event:
 def test_time_marks_are_host_seconds_on_cpu_and_event_milliseconds_on_cuda():
     """The generator's and the engine's clock: ``time_mark`` gives host seconds off CUDA; ``seconds_between`` reads
     either that or a pair of timing events (milliseconds, as CUDA reports them)."""
-    from hf_dspark.generation import seconds_between, time_mark
+    from hf_dspark.drafting import seconds_between, time_mark
 
     assert seconds_between(_Event(2.0), _Event(2.25)) == pytest.approx(0.25)
     assert seconds_between(10.0, 10.5) == pytest.approx(0.5)

@@ -6,16 +6,12 @@ import random
 import pytest
 import torch
 
+from hf_dspark.gate import EXPLORE_BUDGET, REALIZED_WINDOW, REMEASURE_ROUNDS, RealizedGate, realized_window
 from hf_dspark.scheduling import (
-    EXPLORE_BUDGET,
-    REALIZED_WINDOW,
-    REMEASURE_ROUNDS,
     PrefixSchedulerPolicy,
-    RealizedGate,
     StepsPerSecond,
     dynamic_topk_capacity,
     prefix_schedule,
-    realized_window,
     topk_schedule,
     width_schedule,
 )
@@ -298,7 +294,7 @@ def test_policy_realized_gate_overrides_confident_drafting():
 def test_realized_gate_needs_a_margin_to_draft():
     """Drafting that delivers about as much as plain (within ``DRAFTING_MARGIN``) loses the verdict: its wins are
     judged on few rounds, and a wrong "draft" costs more than a wrong "plain"."""
-    from hf_dspark.scheduling import DRAFTING_MARGIN
+    from hf_dspark.gate import DRAFTING_MARGIN
 
     assert DRAFTING_MARGIN > 1
     for ratio, allowed in ((1.0, False), (DRAFTING_MARGIN * 0.99, False), (DRAFTING_MARGIN * 1.01, True)):
@@ -315,7 +311,7 @@ def test_realized_gate_measures_each_side_twice_before_a_verdict():
     """Two drafting rounds and one plain round are no verdict yet: one lucky comparison would keep drafting on for a
     whole ``explore_interval``. The gate asks for plain rounds until that side has ``VERDICT_ROUNDS`` too, and a
     nearby batch size does not take a verdict from a size measured less than that."""
-    from hf_dspark.scheduling import VERDICT_ROUNDS
+    from hf_dspark.gate import VERDICT_ROUNDS
 
     assert VERDICT_ROUNDS == 2
     gate = RealizedGate()
@@ -373,7 +369,7 @@ def test_a_verdict_compares_both_sides_over_the_same_stretch():
     drafting on: the verdict compares the last ``MATCHED_PLAIN_ROUNDS`` plain rounds with the drafting rounds since
     the first of them. Here the machine speeds up 1.5x; drafting then delivers 1.25x the slow plain window but less
     than the plain rounds of its own stretch."""
-    from hf_dspark.scheduling import MATCHED_PLAIN_ROUNDS, VERDICT_ROUNDS
+    from hf_dspark.gate import MATCHED_PLAIN_ROUNDS, VERDICT_ROUNDS
 
     assert MATCHED_PLAIN_ROUNDS == 4
     rows, refresh = 16, 16
@@ -478,7 +474,7 @@ def test_realized_gate_windows_hold_enough_request_rounds():
     step. Windows hold at least ``REALIZED_REQUEST_ROUNDS`` request-rounds: one hard stretch of 32 rounds does not
     overturn what drafting delivered over hundreds at one request, and still does at 16 requests (32-round windows).
     The plain side is refreshed at the same pace relative to its window."""
-    from hf_dspark.scheduling import REALIZED_REQUEST_ROUNDS
+    from hf_dspark.gate import REALIZED_REQUEST_ROUNDS
 
     assert [realized_window(r) for r in (1, 4, 16, 64)] == [REALIZED_REQUEST_ROUNDS, REALIZED_REQUEST_ROUNDS // 4,
                                                            REALIZED_WINDOW, REALIZED_WINDOW]
@@ -511,7 +507,7 @@ def test_realized_gate_windows_hold_enough_request_rounds():
 
 def test_round_window_keeps_its_totals():
     """A realized window's running totals and rates equal sums over the rounds it holds, as rounds are evicted."""
-    from hf_dspark.scheduling import RoundWindow
+    from hf_dspark.gate import RoundWindow
 
     rng = random.Random(0)
     window = RoundWindow(maxlen=5)

@@ -1,29 +1,36 @@
 """Batched DSpark serving: ``DSparkEngine`` (continuous batching, one target forward per step for all requests),
-``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay (``hf_dspark.engine.bench``)."""
+configured by ``EngineConfig``; ``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay
+(``hf_dspark.engine.bench``)."""
 
-from .batching import (
-    ENGINE_EXPLORE_BUDGET,
-    ENGINE_MAX_EXPLORE_INTERVAL,
-    BatchOutput,
-    DeferredDrafterContext,
-    DSparkEngine,
-    EngineStats,
-    GATE_TOKENS,
-    PrefillCost,
-    RaggedBatchCache,
-    RequestOutput,
-    SamplingParams,
-    TokenEvent,
-    batch_progress,
-    capped_confidences,
-    generate_batch,
-    greedy_verify,
-    schedule_batch,
-    speculative_verify,
-    stream_batch,
-)
+from .admission import PrefillCost
+from .batching import DSparkEngine, generate_batch, stream_batch
+from .cache import DeferredDrafterContext, RaggedBatchCache
+from .config import ENGINE_EXPLORE_BUDGET, ENGINE_MAX_EXPLORE_INTERVAL, GATE_TOKENS, EngineConfig
 from .measurements import EngineMeasurements, measurement_key
+from .requests import BatchOutput, EngineStats, RequestOutput, SamplingParams, TokenEvent, batch_progress
+from .verification import capped_confidences, greedy_verify, schedule_batch, speculative_verify
 
-from .batching import __all__ as _batching_all
-
-__all__ = [*_batching_all, "EngineMeasurements", "measurement_key"]
+__all__ = [
+    "BatchOutput",
+    "DSparkEngine",
+    "DeferredDrafterContext",
+    "ENGINE_EXPLORE_BUDGET",
+    "ENGINE_MAX_EXPLORE_INTERVAL",
+    "EngineConfig",
+    "EngineMeasurements",
+    "EngineStats",
+    "GATE_TOKENS",
+    "PrefillCost",
+    "RaggedBatchCache",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenEvent",
+    "batch_progress",
+    "capped_confidences",
+    "generate_batch",
+    "greedy_verify",
+    "measurement_key",
+    "schedule_batch",
+    "speculative_verify",
+    "stream_batch",
+]

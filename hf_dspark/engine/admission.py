@@ -1,5 +1,5 @@
 """Admission of waiting requests: how long free slots wait for joiners (``ADMISSION_HOLD``), which joiners share
-a prefill forward (``PrefillCost``, ``_prefill_groups``), and the row order when requests leave
+a prefill forward (``PrefillCost``, ``prefill_groups``), and the row order when requests leave
 (``tail_filled_order``)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .batching import _Request
+    from .requests import Request
 
 # Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch
-# (``DSparkEngine(admission_hold=)``). A prefill forward has a fixed price whatever it carries (``PrefillCost``), and
+# (``EngineConfig.admission_hold``). A prefill forward has a fixed price whatever it carries (``PrefillCost``), and
 # requests that join apart keep finishing apart, paying it again at every later generation of their slots, so the
 # budget is a whole batch of idle slot-steps. ``hf-dspark bench-serve --methods plain plain,hold=0`` measures it.
 ADMISSION_HOLD = 1.0
@@ -51,7 +51,7 @@ class PrefillCost:
         return self.fixed_tokens + rows * width * (1.0 + width / self.attention_width)
 
 
-def _prefill_groups(requests: list[_Request], max_tokens: int, cost: PrefillCost) -> list[list[_Request]]:
+def prefill_groups(requests: list[Request], max_tokens: int, cost: PrefillCost) -> list[list[Request]]:
     """The cheapest split of ``requests`` (sorted by prompt length) into consecutive groups, each prefilled in one
     right-padded forward of at most ``max_tokens`` padded tokens (a longer prompt goes alone), by ``cost``: a
     shortest-path over the sorted order. Grouping saves a forward's fixed price; padding every prompt of a group to

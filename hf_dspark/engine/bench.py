@@ -8,12 +8,13 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 - ``scheduled`` / ``scheduled=prefix|topk``: a shared budget per step from the drafter's confidences and the
   profiled SPS(B) curve of the batch's total verification tokens; zero-budget requests skip drafting;
 - ``hybrid`` / ``hybrid=prefix|topk``: ``scheduled``, and requests whose prompt lookup pays verify its drafts
-  instead of the drafter's block.
+  instead of the drafter's block;
+- any other registered verification policy (``threshold``, or one registered with
+  ``scheduling.register_verification_policy``): the engine verifying what that policy decides.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import random
 import statistics
@@ -22,77 +23,23 @@ from pathlib import Path
 
 import torch
 
-from ..allocator import M_MMAP_THRESHOLD, M_TOP_PAD, M_TRIM_THRESHOLD, glibc
-from .batching import SCHEDULED_METHODS, SCHEDULES, DSparkEngine, PrefillCost, SamplingParams
+from ..allocator import fix_allocator
+from ..scheduling import VERIFICATION_POLICIES
+from .admission import PrefillCost
+from .batching import DSparkEngine
+from .config import PLAIN, policy_name, scheduled_method
+from .requests import SamplingParams
+from .verification import SCHEDULES
 
 
 # Heap the benches pre-touch (``fix_allocator(pretouch=)``): room for three engines' caches at 64 requests
 BENCH_PRETOUCH_MIB = 3072
 
 
-def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = None, top_pad: int = 256 << 20,
-                  pretouch: int = 0) -> str | None:
-    """Pin glibc malloc's thresholds for this process (``mallopt``): blocks up to ``mmap_threshold`` bytes come from
-    the heap, freed heap memory is kept up to ``trim_threshold`` bytes (None: always kept), and the heap grows
-    ``top_pad`` bytes at a time. Then grow the heap by ``pretouch`` bytes, write every page and free them again (kept),
-    so that the engines find memory the kernel has already handed over.
-
-    By default glibc moves its mmap threshold up as large blocks are freed, so one engine's allocations change where
-    the next engine's come from, and whether they pay fresh page faults. Two engines stepped side by side in one
-    process (``run_lockstep``) then read a few percent apart depending on which of them was created and stepped first
-    (on SmolLM2 at 16 requests, 0.96-0.97 one way and 1.03-1.04 the other; pinned, within 1% either way). A server
-    runs one engine, so neither order is its speed. Setting any of these turns glibc's adjustment off.
-
-    Pinned, memory freed stays with the process, but each page is still first written (a page fault) by whichever
-    engine first takes the process past its high-water mark, and engines stepped side by side hold their caches at
-    once (the scheduled engine also keeps its prompts' target features for the drafter). ``pretouch`` takes those
-    faults out of the engines' runs. It removes a confounder, not a measured bias; each run's count is in the bench
-    report (``runs_counts``).
-
-    Returns what was done, or None where the C library is not glibc (nothing to pin; the benches run as they are).
-    Raises ``RuntimeError`` if glibc refuses a value, ``ValueError`` for a ``pretouch`` glibc would trim again."""
-    if pretouch < 0 or (trim_threshold is not None and pretouch + top_pad >= trim_threshold):
-        raise ValueError(f"pretouch must be >= 0 and, with the top pad ({top_pad} bytes), below the trim threshold "
-                         f"({trim_threshold} bytes), got {pretouch}")
-    libc = glibc()
-    if libc is None:
-        return None
-    for name, param, value in (("mmap threshold", M_MMAP_THRESHOLD, mmap_threshold),
-                               ("trim threshold", M_TRIM_THRESHOLD, -1 if trim_threshold is None else trim_threshold),
-                               ("top pad", M_TOP_PAD, top_pad)):
-        if libc.mallopt(param, value) != 1:
-            raise RuntimeError(f"glibc refused malloc {name} {value}")
-    trim = "never trims" if trim_threshold is None else f"trim threshold {trim_threshold >> 20} MiB"
-    done = f"glibc malloc pinned: mmap threshold {mmap_threshold >> 20} MiB, {trim}, top pad {top_pad >> 20} MiB"
-    if pretouch:
-        _pretouch_heap(libc, pretouch, max(1, mmap_threshold // 2))
-        done += f", {pretouch >> 20} MiB of heap pre-touched"
-    return done
-
-
-def _pretouch_heap(libc, size: int, chunk: int) -> None:
-    """Allocate ``size`` bytes of heap in blocks of ``chunk`` (below the mmap threshold: from the heap), write them
-    and free them, last first, so that they merge back into the heap's top."""
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    blocks = []
-    try:
-        for offset in range(0, size, chunk):
-            n = min(chunk, size - offset)
-            block = libc.malloc(n)
-            if not block:
-                raise MemoryError(f"could not pre-touch {size} bytes of heap")
-            blocks.append(block)
-            ctypes.memset(block, 0, n)
-    finally:
-        for block in reversed(blocks):
-            libc.free(block)
-
-
 def parse_method(spec: str, default_schedule: str = "padded") -> dict:
-    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` -> engine keyword
-    arguments (``hybrid`` takes every option of ``scheduled``); ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``,
+    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` | any other
+    registered verification policy (``threshold``) -> engine keyword arguments (``hybrid`` and ``scheduler`` take
+    every option of ``scheduled``); ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``,
     ``scheduled=prefix,ungated``) turns the engine's realized gate off, to measure what it brings, and
     ``scheduled=...,emitted`` has its realized gate count the tokens each step emitted (``gate_tokens="emitted"``)
     instead of the batch's progress. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
@@ -118,13 +65,13 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
             kwargs["admission_hold"] = number
         else:
             kwargs["prefill_cost"] = PrefillCost(fixed_tokens=number)
-    if name == "plain" and not value and not rest:
-        return {"method": "plain", **kwargs}
+    if name == PLAIN and not value and not rest:
+        return {"method": PLAIN, **kwargs}
     if name == "fixed" and not rest:
         if value and not value.isdigit():
             raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
         return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
-    if name in SCHEDULED_METHODS:
+    if scheduled_method(name):
         options = ([value] if value else []) + rest
         flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
@@ -134,8 +81,11 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         out = {"method": name, "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
+    if policy_name(name) in VERIFICATION_POLICIES and not value and not rest:
+        return {"method": name, **kwargs}
     raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N], scheduled[=padded|prefix|topk][,ungated]"
-                     f"[,emitted] or hybrid with the options of scheduled, each with optional ,hold=H and ,prefill=F")
+                     f"[,emitted], hybrid with the options of scheduled, or another registered verification policy "
+                     f"({', '.join(sorted(VERIFICATION_POLICIES))}), each with optional ,hold=H and ,prefill=F")
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:
@@ -147,7 +97,7 @@ def measurements_from_report(path, methods: list[str]) -> dict:
     from .measurements import EngineMeasurements
 
     data = json.loads(Path(path).read_text())
-    scheduled = [m for m in methods if parse_method(m)["method"] in SCHEDULED_METHODS]
+    scheduled = [m for m in methods if scheduled_method(parse_method(m)["method"])]
     if "key" in data:  # one EngineMeasurements file
         return {m: EngineMeasurements.from_dict(data) for m in scheduled}
     saved = data.get("measurements") or {}
@@ -233,7 +183,7 @@ def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: i
     """An engine for one method (``parse_method``'s keyword arguments, and ``extra`` ones); scheduled ones price their
     budget from ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
     kwargs = {**engine_kwargs, **extra}
-    if kwargs["method"] in SCHEDULED_METHODS:
+    if scheduled_method(kwargs["method"]):
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
         kwargs["measurements"] = measurements
@@ -435,7 +385,7 @@ def compile_scheduler_kernels(target, drafter, specs: dict[str, dict], concurren
     from .verification import schedule_kernel_kinds
 
     device = next(target.parameters()).device
-    kinds = sorted({kind for spec in specs.values() if spec["method"] in SCHEDULED_METHODS
+    kinds = sorted({kind for spec in specs.values() if scheduled_method(spec["method"])
                     for kind in schedule_kernel_kinds(spec["schedule"])})
     if device.type != "cuda" or not kinds:
         return None
@@ -467,7 +417,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     greedy = temperature == 0
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=not greedy,
                             temperature=temperature if not greedy else 1.0, top_p=top_p)
-    if sps is None and any(s["method"] in SCHEDULED_METHODS for s in specs.values()):
+    if sps is None and any(scheduled_method(s["method"]) for s in specs.values()):
         from ..profiling import load_or_profile_batched, powers_of_two_with
 
         sizes = powers_of_two_with(concurrencies)
@@ -480,7 +430,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}
-    scheduled = [name for name, spec in specs.items() if spec["method"] in SCHEDULED_METHODS]
+    scheduled = [name for name, spec in specs.items() if scheduled_method(spec["method"])]
     unknown = sorted(set(measurements) - set(scheduled))
     if unknown:
         raise ValueError(f"starting measurements for {unknown}, which are not scheduled methods of this run")
@@ -518,7 +468,7 @@ def _baselines(specs: dict[str, dict], name: str) -> list[str]:
     plain = _plain(specs)
     fixed = [other for other, spec in specs.items() if spec["method"] == "fixed"]
     return ([plain] if plain is not None and name != plain else []) + (
-        fixed if specs[name]["method"] in SCHEDULED_METHODS else [])
+        fixed if scheduled_method(specs[name]["method"]) else [])
 
 
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],

@@ -18,13 +18,18 @@ import statistics
 from collections import deque
 from pathlib import Path
 
-from ..scheduling import RealizedGate, RoundWindow, realized_window
+from ..gate import RealizedGate, RoundWindow, realized_window
 
 EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
 CATCH_UP_WINDOW = 16  # recent context catch-ups behind the price of a catch-up per position
 MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
 MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way from 1 (in log scale)
+
+
+def rows_bucket(rows: int) -> int:
+    """Power-of-two bucket of a number of rows (the drafter's cost and the cost model's checks are kept per bucket)."""
+    return 1 << max(0, (rows - 1).bit_length())
 
 
 def ema(previous: float | None, value: float) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..generation import DSparkStats, totals_by_source
+from ..drafting import DSparkStats, totals_by_source
 from ..prompts import load_prompts
 from . import metrics
 
