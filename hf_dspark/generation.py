@@ -589,6 +589,7 @@ def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats
     device = next(target.parameters()).device
     ids = torch.zeros(1, context + max_batch_tokens, dtype=torch.long, device=device)
     cache = target(ids[:, :context], use_cache=True).past_key_values
+    cache.activate_past_recording()  # sliding-window layers keep what each timed forward adds, so it crops back
     widths, rates = sorted({1, max_batch_tokens}), []
     for width in widths:
         best = float("inf")

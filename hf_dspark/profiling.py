@@ -64,6 +64,7 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
         ids = torch.randint(0, vocab, (1, context), generator=generator).to(device)
         cache = DynamicCache(config=model.config)
         model(input_ids=ids, cache=cache, use_cache=True)
+        cache.activate_past_recording()  # sliding-window layers keep what each timed forward adds, so it crops back
         inputs = {b: (torch.randint(0, vocab, (1, b), generator=generator).to(device),
                       torch.arange(context, context + b, device=device).unsqueeze(0)) for b in batch_tokens}
         # Round-robin over B (one warm-up round first), so that load drift does not bias particular B.
@@ -234,6 +235,7 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
     ids = torch.randint(0, vocab, (num_requests, context_length), generator=generator).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    cache.activate_past_recording()  # sliding-window layers keep what each timed forward adds, so it crops back
     extra = {"output_hidden_states": list(hidden_state_indices)} if hidden_state_indices else {}
     raw: dict[int, list[float]] = {q: [] for q in tokens_per_request}
     inputs = {}

@@ -54,6 +54,8 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"head_dim": 16, "partial_rotary_factor": 0.5}, "partial rotary"),
     "llava": ("LlavaConfig", "LlavaForConditionalGeneration", {}, "multimodal: the text config is a sub-config"),
 }
+# Families with sliding-window layers
+SLIDING = ("mistral", "gemma2", "gemma3_text")
 # Families whose configs name their fields differently
 _RENAMES = {
     "gpt2": {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",

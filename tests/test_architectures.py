@@ -10,7 +10,7 @@ import torch
 import hf_dspark  # noqa: F401  (installs the generate() dispatch)
 from hf_dspark import DSparkConfig, DSparkDrafter
 from hf_dspark.scheduling import StepsPerSecond
-from tests.architectures import FAMILIES, VOCAB, WINDOW, make_family_target
+from tests.architectures import FAMILIES, SLIDING, VOCAB, WINDOW, make_family_target
 
 NEW_TOKENS = WINDOW + 8  # past every sliding window
 # A profile where a round of any width costs a little more than one token: drafts pay when confidences are high
@@ -53,9 +53,15 @@ def test_generate_sampling_runs(pair):
 
 @pytest.mark.parametrize("method", ["plain", "fixed", "scheduled"])
 def test_engine_greedy_equals_plain(pair, method):
-    from hf_dspark.engine import BatchedStepsPerSecond, SamplingParams, generate_batch
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from hf_dspark.profiling import BatchedStepsPerSecond
 
-    _, target, drafter, prompt, plain = pair
+    family, target, drafter, prompt, plain = pair
+    if family in SLIDING:  # the engine's masked rollback counts cache columns, not positions: refused up front
+        with pytest.raises(ValueError, match="sliding-window"):
+            generate_batch(target, [prompt[0]], None if method == "plain" else drafter,
+                           SamplingParams(max_new_tokens=4), method=method)
+        return
     other = torch.randint(2, VOCAB - 1, (1, 7),
                           generator=torch.Generator().manual_seed(2))
     other_plain = target.generate(other, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -90,3 +96,17 @@ def test_training_step_and_round_trip(pair, tmp_path):
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name]), name
 
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_speed_profiles_run_past_a_sliding_window(family):
+    """The SPS profiles time forwards over a cache longer than the window and crop each one back."""
+    from hf_dspark.generation import _two_point_profile
+    from hf_dspark.profiling import measure_batched_steps_per_second, measure_steps_per_second
+
+    target = make_family_target(family)
+    sps, _ = measure_steps_per_second(target, [1, 4], context_lengths=[2 * WINDOW], repeats=1)
+    assert sps(4) > 0
+    assert _two_point_profile(target, 4, context=2 * WINDOW, repeats=1)(1) > 0
+    batched, _ = measure_batched_steps_per_second(target, 2, [1, 3], context_length=2 * WINDOW, repeats=1)
+    assert batched(2) > 0

@@ -23,7 +23,7 @@ LAYERS = {
               "gate", "scheduling", "attention", "kernels"],
     "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator"],
     "engine": ["engine"],
-    "jobs": ["training", "calibration", "evaluation", "hub", "export", "demo"],
+    "jobs": ["training", "calibration", "evaluation", "hub", "export", "demo", "serving"],
     "cli": ["cli"],
 }
 ORDER = list(LAYERS)

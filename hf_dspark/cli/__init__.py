@@ -24,7 +24,7 @@ from .common import DRAFT_ROUNDS, Output, check_model_paths
 # command -> its module in this package
 COMMANDS = {name: importlib.import_module(f".{name.replace('-', '_')}", __name__)
             for name in ("generate", "data", "train", "features", "bench", "calibrate", "eval", "push", "profile",
-                         "export", "demo", "bench-serve")}
+                         "export", "demo", "bench-serve", "serve")}
 
 __all__ = ["COMMANDS", "DRAFT_ROUNDS", "UsageError", "build_parser", "main"]
 

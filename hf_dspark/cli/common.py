@@ -21,7 +21,9 @@ DRAFT_ROUND_HELP = ("how a drafting round runs: auto (a CUDA graph on CUDA where
                     "eager | static (the graph's fixed-shape round run eagerly) | graph; default: the drafter's own")
 EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "
                 "or text files of prompt ids, one per line")
-PROMPTS_HELP = "prompt .jsonl files or folders (JSON Lines, one prompt per line: see data/README.md)"
+PROMPTS_HELP = ("prompt sources: .jsonl files or folders (one prompt per line), 'bundled' or 'bundled:<set>' (the "
+                "package's chat, code, math and repetitive sets), or 'hf:<dataset>?split=<split>&field=<column>' (a Hub "
+                "dataset); README, Prompt sets")
 TARGET_HELP = "target model folder or Hub id (default: SmolLM2-135M-Instruct)"
 DRAFTER_HELP = "drafter folder or Hub id (default: the embedded drafter)"
 THREADS_HELP = "torch CPU threads (default: torch's choice)"

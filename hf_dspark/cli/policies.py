@@ -10,8 +10,8 @@ from .arguments import UsageError
 # command-line name -> (generate()'s verification_policy, the batched engine's method); None: not offered there
 POLICIES = {
     "fixed": ("fixed", "fixed"),
-    "threshold": ("threshold", None),
-    "scheduler": ("scheduler", "scheduled"),
+    "threshold": ("threshold", "threshold"),
+    "scheduler": ("scheduler", "scheduler"),
     "hybrid": ("hybrid", "hybrid"),
 }
 # old command-line names, still accepted with a note
@@ -63,7 +63,7 @@ def current_spec(spec: str, flag: str) -> str:
 
 def engine_method(spec: str, flag: str) -> str:
     """A bench-serve policy spec (``scheduler=prefix,hold=0``) as the engine's method spec
-    (``scheduled=prefix,hold=0``); a policy the engine does not offer is refused."""
+    (the same name: the engine reads the policy registry); a policy the engine does not offer is refused."""
     name, rest = _split(spec)
     name = DEPRECATED_NAMES.get(name, name)
     if name in POLICIES and POLICIES[name][1] is None:

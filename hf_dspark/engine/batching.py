@@ -162,33 +162,83 @@ class DSparkEngine:
         return self._clock() - self._clock0
 
     def add_request(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request (token ids: list, 1D tensor or [1, n] tensor); it joins at the next step with room."""
+        """Queue a request (token ids: list, 1D tensor or [1, n] tensor); it joins at the next step with room.
+
+        The request is checked here, so that nothing it holds can fail a later step shared with other requests:
+        integer token ids inside the target's vocabulary, a prompt plus ``max_new_tokens`` within the target's
+        context, ``SamplingParams``, stop strings the engine can watch. A refusal is a ``ValueError`` naming the
+        request and the problem."""
+        request_id = str(len(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._ids:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        prompt_ids = self._checked_prompt(prompt_ids, params, request_id)
+        stop = self._stopping_criteria(params, request_id)
+        self._ids.add(request_id)
+        eos = self._default_eos if params.eos_token_id is None else frozenset(
+            [params.eos_token_id] if isinstance(params.eos_token_id, int) else params.eos_token_id)
+        generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
+        self._waiting.append(Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
+                                     arrival_s=self._now(), stop=stop, generator=generator))
+        return request_id
+
+    def _checked_prompt(self, prompt_ids, params: SamplingParams, request_id: str) -> list[int]:
         if isinstance(prompt_ids, torch.Tensor):
             if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
                 prompt_ids = prompt_ids[0]
             if prompt_ids.dim() != 1:
-                raise ValueError(f"a prompt must be one sequence of token ids, got shape {tuple(prompt_ids.shape)}")
+                raise ValueError(f"request {request_id!r}: a prompt must be one sequence of token ids, got shape "
+                                 f"{tuple(prompt_ids.shape)}")
+            if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
+                raise ValueError(f"request {request_id!r}: token ids must be integers, got a {prompt_ids.dtype} tensor")
             prompt_ids = prompt_ids.tolist()
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = list(prompt_ids)
         if not prompt_ids:
-            raise ValueError("empty prompt: a request needs at least one token")
-        params = params or SamplingParams()
-        request_id = str(len(self._ids)) if request_id is None else str(request_id)
-        if request_id in self._ids:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        self._ids.add(request_id)
-        eos = self._default_eos if params.eos_token_id is None else frozenset(
-            [params.eos_token_id] if isinstance(params.eos_token_id, int) else params.eos_token_id)
-        self._waiting.append(Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
-                                     arrival_s=self._now(), stop=self._stopping_criteria(params)))
-        return request_id
+            raise ValueError(f"request {request_id!r}: empty prompt: a request needs at least one token")
+        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}")
+        vocab = self.target.config.get_text_config().vocab_size
+        outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise ValueError(f"request {request_id!r}: token id {outside} is outside the target's vocabulary "
+                             f"[0, {vocab})")
+        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and len(prompt_ids) + params.max_new_tokens > context:
+            raise ValueError(f"request {request_id!r}: a {len(prompt_ids)}-token prompt plus max_new_tokens="
+                             f"{params.max_new_tokens} passes the target's context of {context} tokens")
+        return prompt_ids
 
-    def _stopping_criteria(self, params: SamplingParams) -> StoppingCriteriaList | None:
+    def abort_request(self, request_id: str) -> bool:
+        """End a waiting or running request now (``finish_reason="abort"``), freeing its slot; False if it had
+        already finished. Its output so far is in ``outputs``."""
+        request_id = str(request_id)
+        if request_id not in self._ids:
+            raise ValueError(f"no request {request_id!r}")
+        waiting = next((r for r in self._waiting if r.request_id == request_id), None)
+        if waiting is not None:
+            self._waiting.remove(waiting)
+        request = waiting or next((r for r in self.batch.rows if r.request_id == request_id), None)
+        if request is None:
+            return False
+        request.finish_reason = "abort"
+        self._finish(request)
+        if waiting is None:
+            self._retire()
+        return True
+
+    def _generator(self, request: Request) -> torch.Generator:
+        """The random numbers a request's group draws from: its own (a seeded request), else the engine's."""
+        return self.generator if request.generator is None else request.generator
+
+    def _stopping_criteria(self, params: SamplingParams, request_id: str) -> StoppingCriteriaList | None:
         criteria = list(params.stopping_criteria)
         if params.stop_strings:
             if self.config.tokenizer is None:
-                raise ValueError("a request with stop_strings needs the engine's tokenizer: DSparkEngine(..., "
-                                 "tokenizer=tokenizer)")
+                raise ValueError(f"request {request_id!r}: stop_strings needs the engine's tokenizer: "
+                                 "DSparkEngine(..., tokenizer=tokenizer)")
             criteria.append(StopStringCriteria(self.config.tokenizer, list(params.stop_strings)))
         return StoppingCriteriaList(criteria) if criteria else None
 
@@ -215,7 +265,7 @@ class DSparkEngine:
     def _finish(self, request: Request) -> None:
         self.outputs[request.request_id] = RequestOutput(
             request.request_id, request.prompt_ids, list(request.tokens), request.finish_reason, request.params,
-            request.stats, request.arrival_s, request.start_s, request.first_token_s, self._now(),
+            request.stats, request.arrival_s, request.start_s, request.first_token_s, self._now(), request.error,
         )
 
     # --------------------------------------------------------------------------------------------------------------
@@ -319,7 +369,7 @@ class DSparkEngine:
             new = request.emit(proposed[: accepted[i]] + [next_tokens[i]])
             counts.append(len(new))
             events.append(TokenEvent(request.request_id, new, request.finish_reason is not None,
-                                     request.finish_reason))
+                                     request.finish_reason, request.error))
             if request.finish_reason is not None:
                 self._finish(request)
         return counts
@@ -425,7 +475,8 @@ class DSparkEngine:
             for i, request in enumerate(chunk):
                 request.start_s, request.first_token_s = start, self._now()
                 finished = request.finish_reason is not None
-                events.append(TokenEvent(request.request_id, list(request.tokens), finished, request.finish_reason))
+                events.append(TokenEvent(request.request_id, list(request.tokens), finished, request.finish_reason,
+                                         request.error))
                 if finished:
                     self._finish(request)
                 else:
@@ -470,7 +521,7 @@ class DSparkEngine:
             sel = torch.tensor(members, device=self.device)
             if params.do_sample:
                 probs = _processed_probs(logits[sel], params.warpers())
-                first[sel] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+                first[sel] = torch.multinomial(probs, 1, generator=self._generator(requests[members[0]])).squeeze(1)
             else:
                 first[sel] = logits[sel].argmax(dim=-1)
         for request, token in zip(requests, first.tolist()):
@@ -505,7 +556,8 @@ class DSparkEngine:
             sel = torch.tensor(members, device=self.device)
             draft = drafter.sample_block(out.logits.index_select(0, sel), out.hidden_states.index_select(0, sel),
                                          anchors.index_select(0, sel), logits_processor=params.warpers(),
-                                         do_sample=params.do_sample, generator=self.generator)
+                                         do_sample=params.do_sample,
+                                         generator=self._generator(self.batch.rows[rows[members[0]]]))
             ids[sel] = draft.draft_ids
             if params.do_sample:
                 if logits is None:
@@ -583,7 +635,8 @@ class DSparkEngine:
                 at = torch.tensor(offered, device=device)
                 q[at] = one_hot_probs(draft_ids[sel].index_select(0, at), logits.shape[-1])
             p = _processed_probs(logits[sel], params.warpers())
-            accepted[sel], next_tokens[sel] = speculative_verify(draft_ids[sel], num_drafts[sel], q, p, self.generator)
+            accepted[sel], next_tokens[sel] = speculative_verify(draft_ids[sel], num_drafts[sel], q, p,
+                                                                 self._generator(rows[members[0]]))
         return accepted, next_tokens
 
 

@@ -33,7 +33,11 @@ class SamplingParams:
     ``stop_strings`` end the request as transformers' ``StopStringCriteria`` does (the engine needs a ``tokenizer``);
     ``stopping_criteria`` are transformers ``StoppingCriteria`` called on the prompt plus the tokens so far, as
     ``generate()`` calls them. Either ends the request at the first token where it fires, inside a step's accepted
-    drafts too, with ``finish_reason="stop"``.
+    drafts too, with ``finish_reason="stop"``; a criterion that raises ends its request alone, with
+    ``finish_reason="error"``.
+    ``seed`` gives a sampled request a random generator of its own (drafting, acceptance and the target's samples),
+    so that it draws the same numbers whatever else the batch holds: it repeats its output whenever its verification
+    lengths repeat (served alone, or under the ``fixed`` policy). Two requests with the same seed at once share it.
     """
 
     max_new_tokens: int = 128
@@ -44,6 +48,7 @@ class SamplingParams:
     eos_token_id: int | tuple[int, ...] | list[int] | None = None
     stop_strings: tuple[str, ...] | list[str] | str = ()
     stopping_criteria: tuple[Any, ...] | list[Any] = ()
+    seed: int | None = None
 
     def __post_init__(self):
         if int(self.max_new_tokens) < 1:
@@ -64,13 +69,15 @@ class SamplingParams:
         if any(not callable(criterion) for criterion in criteria):
             raise ValueError("stopping_criteria must be callables (transformers StoppingCriteria)")
         object.__setattr__(self, "stopping_criteria", criteria)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def group_key(self) -> tuple:
         """Requests with equal keys draft and verify with the same processors (one batched call)."""
         if not self.do_sample:
             return ("greedy",)
-        return ("sample", float(self.temperature), self.top_k, self.top_p)
+        return ("sample", float(self.temperature), self.top_k, self.top_p, self.seed)
 
     def warpers(self) -> LogitsProcessorList | None:
         """The processors that define p (and q): None for greedy decoding."""
@@ -96,7 +103,8 @@ class TokenEvent:
     request_id: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "eos" | "stop" | "length" when finished
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "abort" | "error" when finished
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass
@@ -113,6 +121,7 @@ class RequestOutput:
     start_s: float  # joined the batch (prefill started)
     first_token_s: float
     finish_s: float
+    error: str | None = None  # why the request failed (finish_reason "error")
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,7 +132,7 @@ class RequestOutput:
     def to_dict(self, with_rounds: bool = False) -> dict:
         out = {
             "request_id": self.request_id, "prompt_tokens": len(self.prompt_ids), "tokens": len(self.token_ids),
-            "finish_reason": self.finish_reason, "tokens_per_s": self.tokens_per_s,
+            "finish_reason": self.finish_reason, "error": self.error, "tokens_per_s": self.tokens_per_s,
             "accepted_length": self.stats.accepted_length, "rounds": self.stats.rounds,
             "verified": sum(self.stats.verified), "accepted": sum(self.stats.accepted),
             "arrival_s": self.arrival_s, "start_s": self.start_s, "first_token_s": self.first_token_s,
@@ -223,6 +232,8 @@ class Request:
     first_token_s: float = 0.0
     finish_reason: str | None = None
     memory: ConfidenceMemory | None = None  # its drafts' confidences and probe clock (policies priced by SPS)
+    generator: torch.Generator | None = None  # its own random numbers (``SamplingParams.seed``), else the engine's
+    error: str | None = None
 
     @property
     def anchor(self) -> int:
@@ -244,12 +255,22 @@ class Request:
             if token in self.eos:
                 self.finish_reason = "eos"
                 return kept
-            if self.stop is not None and bool(self.stop(torch.tensor([self.prompt_ids + self.tokens]), None)[0]):
+            try:
+                stopped = self.stop is not None and bool(self.stop(torch.tensor([self.prompt_ids + self.tokens]),
+                                                                   None)[0])
+            except Exception as err:  # a user's criterion failed: this request ends, the batch goes on
+                self.fail(err)
+                return kept
+            if stopped:
                 self.finish_reason = "stop"
                 return kept
         if self.remaining <= 0:
             self.finish_reason = "length"
         return kept
+
+
+    def fail(self, err: BaseException) -> None:
+        self.finish_reason, self.error = "error", f"{type(err).__name__}: {err}"
 
 
 @dataclass(eq=False)
