@@ -118,7 +118,7 @@ def test_old_spellings_still_parse_with_a_note(capsys):
     from hf_dspark.cli.bench_serve import _check_policies, engine_methods
 
     _check_policies(serve)  # today's names in the settings, the engine's in what it runs
-    assert serve.policies == ["plain", "scheduler"] and engine_methods(serve) == ["plain", "scheduled"]
+    assert serve.policies == ["plain", "scheduler"] and engine_methods(serve) == ["plain", "scheduler"]
     assert "--policies scheduled is deprecated; use scheduler" in capsys.readouterr().err
 
 

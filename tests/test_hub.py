@@ -26,6 +26,7 @@ import torch
 
 import hf_dspark
 from hf_dspark import DSparkDrafter
+from hf_dspark.drafter_files import module_closure
 from hf_dspark.hub import evaluation_text, load_report, training_text, write_hub_folder
 from hf_dspark.training.checkpoints import INIT_CARD
 from tests._hub_client import state_digest
@@ -35,9 +36,14 @@ from tests.hub_server import HubServer
 BENCH_REPORT = REPO / "reports" / "bench-smollm2-fp32.json"
 TRAINED = REPO / "hf_dspark" / "drafters" / "smollm2-135m-instruct-dspark"
 TINY_TARGET_NAME = "hf-dspark-tests/tiny-llama"
-HUB_FILES = {"config.json", "configuration_dspark.py", "modeling_dspark.py", "model.safetensors",
-             "generation_config.json", "custom_generate/generate.py", "custom_generate/scheduling.py",
-             "custom_generate/requirements.txt", "README.md"}
+_PACKAGE = Path(hf_dspark.__file__).resolve().parent
+# A pushed folder: weights, configs and card, the model file with every module it imports, and custom_generate/
+# with generation.py (as generate.py) and every module that imports
+HUB_FILES = ({"config.json", "model.safetensors", "generation_config.json", "custom_generate/requirements.txt",
+              "README.md"}
+             | {path.name for path in module_closure(_PACKAGE / "modeling_dspark.py")}
+             | {"custom_generate/" + ("generate.py" if path.name == "generation.py" else path.name)
+                for path in module_closure(_PACKAGE / "generation.py")})
 
 
 @pytest.fixture(scope="module")

@@ -199,13 +199,13 @@ def test_hybrid_wrong_lookup_q_is_detected(setup, monkeypatch):  # noqa: F811
 
     target, drafter, prompt = setup
     _hybrid(drafter, monkeypatch)
-    original = DSparkCandidateGenerator._lookup_candidates
+    original = DSparkCandidateGenerator._offer_candidates
 
     def uniform_q(self, *args, **kwargs):
         candidates, logits = original(self, *args, **kwargs)
         return candidates, None if logits is None else torch.zeros_like(logits)
 
-    monkeypatch.setattr(DSparkCandidateGenerator, "_lookup_candidates", uniform_q)
+    monkeypatch.setattr(DSparkCandidateGenerator, "_offer_candidates", uniform_q)
     try:
         exact = exact_pair_distribution(target, prompt, 0.7, 4)
         counts, _ = sample_pairs(target, drafter, prompt, 0.7, 4, 1500, seed=11)
