@@ -262,18 +262,24 @@ class Draft:
         return int(self.token_ids.shape[-1])
 
 
+def registrar(registry: dict[str, type]):
+    """``register(name)``, a class decorator that files a class under ``name`` in ``registry`` and sets its
+    ``name`` (the draft sources' registry here, the verification policies' in ``scheduling``)."""
+
+    def register(name: str):
+        def decorator(cls: type) -> type:
+            registry[name] = cls
+            cls.name = name
+            return cls
+
+        return decorator
+
+    return register
+
+
 DRAFT_SOURCES: dict[str, type["DraftSource"]] = {}
-
-
-def register_draft_source(name: str):
-    """Class decorator: make a source selectable by name in a policy's ``draft_sources``."""
-
-    def decorator(cls: type["DraftSource"]) -> type["DraftSource"]:
-        DRAFT_SOURCES[name] = cls
-        cls.name = name
-        return cls
-
-    return decorator
+# Class decorator: make a source selectable by name in a policy's ``draft_sources``.
+register_draft_source = registrar(DRAFT_SOURCES)
 
 
 class DraftSource:

@@ -23,24 +23,15 @@ from typing import Any
 import torch
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying the siblings next to this file
-    from .drafting import LookupSurvival
+    from .drafting import LookupSurvival, registrar
     from .gate import EXPLORE_BUDGET, RealizedGate
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from drafting import LookupSurvival  # type: ignore[no-redef]
+    from drafting import LookupSurvival, registrar  # type: ignore[no-redef]
     from gate import EXPLORE_BUDGET, RealizedGate  # type: ignore[no-redef]
 
 VERIFICATION_POLICIES: dict[str, type["VerificationPolicy"]] = {}
-
-
-def register_verification_policy(name: str):
-    """Class decorator: make a policy selectable as ``drafter.generation_config.verification_policy = name``."""
-
-    def decorator(cls: type["VerificationPolicy"]) -> type["VerificationPolicy"]:
-        VERIFICATION_POLICIES[name] = cls
-        cls.name = name
-        return cls
-
-    return decorator
+# Class decorator: make a policy selectable as ``drafter.generation_config.verification_policy = name``.
+register_verification_policy = registrar(VERIFICATION_POLICIES)
 
 
 class VerificationPolicy:
