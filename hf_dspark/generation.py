@@ -45,6 +45,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
         seconds_between,
         time_mark,
     )
+    from .attention import packed_attention
     from .gate import RealizedGate
     from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
 except ImportError:  # pragma: no cover - loaded as a top-level module
@@ -56,6 +57,7 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
         seconds_between,
         time_mark,
     )
+    from attention import packed_attention  # type: ignore[no-redef]
     from gate import RealizedGate  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         VerificationPolicy,
@@ -262,6 +264,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.record_round(*self._finished_round, now - self._round_started)
         self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
+        self.policy.set_context(input_ids.shape[1])
         room = self.max_length - input_ids.shape[1] - 1
         max_drafts = min(self.block_size, room)
         source, length, offer = self._choose_source(input_ids, room, max_drafts)
@@ -597,7 +600,8 @@ def _two_point_profile(target, max_batch_tokens: int, context: int = 64, repeats
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
-            target(ids[:, context:context + width], past_key_values=cache, use_cache=True)
+            with packed_attention(target):  # as DSpark-assisted generate() runs its verifications
+                target(ids[:, context:context + width], past_key_values=cache, use_cache=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - started)
@@ -661,6 +665,18 @@ def _dspark_get_candidate_generator(
     )
 
 
+def _dspark_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                              synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None, **kwargs):
+    """transformers' assisted decoding; with a DSpark drafter its target forwards run under ``packed_attention``
+    (a verification forward reads a grouped-query cache in place instead of copying it per query head)."""
+    original = _original(GenerationMixin, "_assisted_decoding")
+    switch = packed_attention(self) if is_dspark_drafter(assistant_model) else contextlib.nullcontext()
+    with switch:
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+                        assistant_model=assistant_model, **kwargs)
+
+
 def _dspark_get_stopping_criteria(self, *args, **kwargs):
     criteria = _original(GenerationMixin, "_get_stopping_criteria")(self, *args, **kwargs)
     _STOPPING_CRITERIA.set(weakref.ref(criteria))
@@ -668,6 +684,7 @@ def _dspark_get_stopping_criteria(self, *args, **kwargs):
 
 
 _PATCHES = {
+    "_assisted_decoding": _dspark_assisted_decoding,
     "_get_candidate_generator": _dspark_get_candidate_generator,
     "_get_stopping_criteria": _dspark_get_stopping_criteria,
     "_validate_generation_mode": _dspark_validate_generation_mode,
@@ -708,7 +725,7 @@ def generate(model, *args, **kwargs):
     trust_remote_code=True)`` lands here and runs transformers' assisted decoding with the DSpark generator."""
     if not is_dspark_drafter(kwargs.get("assistant_model")):
         raise ValueError("this custom_generate expects `assistant_model` to be a DSpark drafter")
-    with dspark_dispatch(model):
+    with dspark_dispatch(model), packed_attention(model):  # the class-level _assisted_decoding runs here
         return GenerationMixin.generate(model, *args, **kwargs)
 
 

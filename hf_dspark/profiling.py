@@ -35,8 +35,9 @@ def profile_key(model) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        # round-robin timing, fastest repeat, monotone fit; bump when the measurement changes (old caches are ignored)
-        "method": 3,
+        # round-robin timing, fastest repeat, monotone fit, context model, packed attention; bump when the
+        # measurement changes (old caches are ignored)
+        "method": 4,
     }
 
 
@@ -45,11 +46,44 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+# The contexts a generate() profile times each B at: two short ones and one long enough that the growth of a forward's
+# cost with its context is measured rather than guessed (capped by the target's own context).
+PROFILE_CONTEXTS = (64, 256, 2048)
+# The context the profiled curve stands for; other contexts are read from each B's line (StepsPerSecond.at_context).
+REFERENCE_CONTEXT = 256
+# A context model needs a measured context at least this long (else the profile is one curve for every context).
+MIN_MODELLED_CONTEXT = 1024
+
+
+def context_model(raw: dict[int, dict[int, list[float]]], reference: int = REFERENCE_CONTEXT
+                  ) -> tuple[list[float], list[float] | None]:
+    """Per B, from its fastest forward at each context: steps/s at ``reference`` and seconds per context token, the
+    least-squares line through (context, seconds). Without a context of ``MIN_MODELLED_CONTEXT`` tokens the curve
+    is the median over contexts and there are no slopes. Rates are fitted non-increasing in B, slopes
+    non-decreasing (a wider forward never gains less per cached token)."""
+    contexts = sorted({c for per_context in raw.values() for c in per_context})
+    if not contexts or contexts[-1] < MIN_MODELLED_CONTEXT:
+        return monotone_fit([statistics.median(1.0 / min(t) for t in raw[b].values()) for b in raw],
+                            decreasing=True), None
+    rates, slopes = [], []
+    for b in raw:
+        xs = sorted(raw[b])
+        ys = [min(raw[b][c]) for c in xs]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+                 / sum((x - mean_x) ** 2 for x in xs)) if len(xs) > 1 else 0.0
+        slope = max(0.0, slope)
+        rates.append(1.0 / max(mean_y + slope * (reference - mean_x), min(ys) * 0.5))
+        slopes.append(slope)
+    return monotone_fit(rates, decreasing=True), monotone_fit(slopes)
+
+
 @torch.no_grad()
-def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: list[int] = (64, 256),
+def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: list[int] = PROFILE_CONTEXTS,
                              repeats: int = 5, time_budget_s: float = 60.0) -> tuple[StepsPerSecond, dict]:
-    """Steps/s for each B from its fastest repeat (over context lengths by median); returns the curve and raw
-    timings."""
+    """Steps/s for each B from its fastest repeat at each context, with the context model of ``context_model``
+    when a long context was reached within the budget; returns the curve and raw timings. The forwards run under
+    ``packed_attention``, as DSpark-assisted generate() runs its verifications."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -58,6 +92,8 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
     from tqdm.auto import tqdm
 
     started = time.perf_counter()
+    longest = model.config.get_text_config().max_position_embeddings - max(batch_tokens) - 1
+    context_lengths = sorted({min(int(c), longest) for c in context_lengths})
     raw: dict[int, dict[int, list[float]]] = {b: {} for b in batch_tokens}
     bar = tqdm(total=len(context_lengths) * (repeats + 1), desc="profiling SPS(B)", unit="round", leave=False)
     for context in context_lengths:
@@ -73,7 +109,8 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
                 step_ids, positions = inputs[b]
                 _sync(device)
                 t0 = time.perf_counter()
-                model(input_ids=step_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=b)
+                with packed_attention(model):
+                    model(input_ids=step_ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=b)
                 _sync(device)
                 elapsed = time.perf_counter() - t0
                 cache.crop(-b)
@@ -85,10 +122,14 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
         if time.perf_counter() - started > time_budget_s:
             break
     bar.close()
-    measured = [b for b in batch_tokens if raw[b]]
-    sps = monotone_fit([statistics.median(1.0 / min(t) for t in raw[b].values()) for b in measured],
-                       decreasing=True)
-    return StepsPerSecond(measured, sps, max(measured)), {str(b): {str(c): t for c, t in v.items()} for b, v in raw.items()}
+    # a context is used only where every B was timed there (the budget may stop inside one)
+    complete = [c for c in context_lengths if all(c in raw[b] for b in batch_tokens)]
+    measured = ({b: {c: raw[b][c] for c in complete} for b in batch_tokens} if complete
+                else {b: raw[b] for b in batch_tokens if raw[b]})
+    sps, slopes = context_model(measured)
+    curve = StepsPerSecond(list(measured), sps, max(measured),
+                           None if slopes is None else REFERENCE_CONTEXT, slopes)
+    return curve, {str(b): {str(c): t for c, t in v.items()} for b, v in raw.items()}
 
 
 def monotone_fit(values: Sequence[float], weights: Sequence[float] | None = None,
@@ -120,7 +161,7 @@ def profile_path(model, folder: Path | None = None) -> Path:
 
 
 def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, time_budget_s: float = 60.0,
-                    repeats: int = 5, context_lengths: list[int] = (64, 256)) -> StepsPerSecond:
+                    repeats: int = 5, context_lengths: list[int] = PROFILE_CONTEXTS) -> StepsPerSecond:
     """The cached profile for this model/device/dtype/threads covering ``max_batch_tokens``; profiles if absent."""
     path = profile_path(model, folder)
     if path.is_file():

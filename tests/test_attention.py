@@ -117,3 +117,40 @@ def test_packed_attention_gives_the_targets_logits_on_a_wide_ragged_step():
                 logits.append(target(input_ids=block, attention_mask=mask, position_ids=positions, cache=cache,
                                      use_cache=True).logits)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_packed_gqa_leaves_a_causal_prefill_to_sdpa(monkeypatch):
+    """A prefill without a mask (keys == queries) takes SDPA's own causal kernel, as plain decoding's prefill does."""
+    module = _Module(groups=3)
+    query, key, value = _inputs(q=6, kv=6)
+    calls = []
+    import hf_dspark.attention as attention
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward",
+                        lambda *a, **k: calls.append(1) or sdpa_attention_forward(*a, **k))
+    got, _ = packed_gqa_attention(module, query, key, value, None)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None)
+    assert calls == [1]
+    torch.testing.assert_close(got, expected)
+
+
+def test_dspark_generate_verifies_under_packed_attention():
+    """generate(assistant_model=drafter) runs the target's forwards packed and leaves the model as it was; plain
+    generate() is untouched."""
+    import hf_dspark  # noqa: F401  (the generate() dispatch)
+    from tests.helpers import make_drafter
+
+    target = make_target("llama", seed=0).float().eval()
+    target.config._attn_implementation = "sdpa"
+    drafter = make_drafter(target).eval()
+    seen = []
+    hook = target.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda module, args: seen.append(target.config._attn_implementation))
+    ids = torch.tensor([[1, 5, 9, 3]])
+    target.generate(ids, max_new_tokens=6, do_sample=False, assistant_model=drafter)
+    assert seen and set(seen) == {PACKED_ATTENTION}
+    assert target.config._attn_implementation == "sdpa"
+    seen.clear()
+    target.generate(ids, max_new_tokens=3, do_sample=False)
+    assert set(seen) == {"sdpa"}
+    hook.remove()

@@ -689,3 +689,65 @@ def test_realized_gate_measures_drafting_on_representative_rounds_only():
     assert not lost.drafting_allowed(16, 16, 256, 0, representative=False)  # and skips an unrepresentative one
     lost.record_step(16, False, 16, 1.0)
     assert lost.fresh_rounds[16] == 0 and lost.drafting_allowed(16, 16, 256, 0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rounds priced at their context: the SPS profile's context model
+# --------------------------------------------------------------------------------------------------------------
+def test_sps_at_context_reads_each_width_along_its_line():
+    # seconds at the reference context 256: 0.1, 0.125, 0.2; per cached token: 1e-5, 3e-5, 6e-5
+    sps = StepsPerSecond([1, 2, 4], [10.0, 8.0, 5.0], 4, context_length=256,
+                         seconds_per_context_token=[1e-5, 3e-5, 6e-5])
+    assert sps.models_context
+    far = sps.at_context(256 + 5000)
+    assert far.steps_per_sec == pytest.approx([1 / 0.15, 1 / 0.275, 1 / 0.5])
+    assert not far.models_context and far.max_batch_tokens == 4
+    assert sps.at_context(256).steps_per_sec == pytest.approx(sps.steps_per_sec)
+    near = sps.at_context(0)  # shorter than profiled: cheaper, never below half the profiled seconds
+    assert near.steps_per_sec[0] == pytest.approx(1 / (0.1 - 256e-5))
+    # a width whose line predicts it cheaper than a narrower one reads as fast as that one, never faster
+    odd = StepsPerSecond([1, 2], [10.0, 9.9], context_length=0, seconds_per_context_token=[1e-4, 0.0])
+    assert odd.at_context(-500).steps_per_sec == pytest.approx([20.0, 9.9])
+    assert odd.at_context(1000).steps_per_sec == pytest.approx([5.0, 5.0])
+
+
+def test_sps_context_model_round_trips_and_is_checked():
+    sps = StepsPerSecond([1, 2], [10.0, 8.0], context_length=256, seconds_per_context_token=[1e-5, 2e-5])
+    again = StepsPerSecond.from_dict(sps.to_dict())
+    assert again.context_length == 256 and again.seconds_per_context_token == [1e-5, 2e-5]
+    assert StepsPerSecond.from_dict({"sample_batch_tokens": [1], "sample_steps_per_sec": [3.0]}).to_dict() == {
+        "sample_batch_tokens": [1], "sample_steps_per_sec": [3.0], "max_batch_tokens": 1}
+    with pytest.raises(ValueError, match="both context_length and seconds_per_context_token"):
+        StepsPerSecond([1], [3.0], context_length=256)
+    with pytest.raises(ValueError, match="one value per"):
+        StepsPerSecond([1, 2], [3.0, 2.0], context_length=256, seconds_per_context_token=[0.0])
+
+
+def test_profile_context_model_fits_lines_through_the_timings():
+    from hf_dspark.profiling import context_model
+
+    truth = {1: (0.030, 1e-5), 4: (0.045, 2e-5), 8: (0.060, 4e-5)}  # seconds at context 0, per cached token
+    raw = {b: {c: [a + k * c + 0.002, a + k * c] for c in (64, 256, 2048)} for b, (a, k) in truth.items()}
+    rates, slopes = context_model(raw)
+    assert slopes == pytest.approx([k for _, k in truth.values()])
+    assert rates == pytest.approx([1 / (a + k * 256) for a, k in truth.values()])
+    short = {b: {c: t for c, t in per.items() if c < 1024} for b, per in raw.items()}
+    rates, slopes = context_model(short)  # no long context measured: one curve for every context
+    assert slopes is None and rates[0] == pytest.approx(1 / (0.030 + 1e-5 * 160), rel=0.01)
+
+
+def test_scheduler_prices_its_rounds_at_the_sequences_context():
+    # Wide forwards are nearly free at a short context and dear at a long one (a CPU reading a long cache).
+    sps = StepsPerSecond([1, 2, 3, 4, 5], [10.0, 9.8, 9.6, 9.4, 9.2], 5, context_length=256,
+                         seconds_per_context_token=[1e-5, 4e-5, 6e-5, 8e-5, 1e-4])
+    policy = PrefixSchedulerPolicy(sps, online_correction=False)
+    confidences = torch.tensor([0.5, 0.4, 0.3, 0.2])
+    policy.set_context(300)
+    assert policy.num_to_verify(confidences, 4) > 0
+    policy.set_context(7000)
+    assert policy.num_to_verify(confidences, 4) == 0  # at 7k tokens verifying any draft costs more than it wins
+    assert policy._plain_rate == pytest.approx(sps.at_context(7000 // 128 * 128 + 64).steps_per_sec[0])
+    plain = PrefixSchedulerPolicy(StepsPerSecond([1, 2, 3, 4, 5], [10.0, 9.8, 9.6, 9.4, 9.2]),
+                                  online_correction=False)
+    plain.set_context(7000)  # a profile without a context model reads the same everywhere
+    assert plain.num_to_verify(confidences, 4) > 0
