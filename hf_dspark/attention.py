@@ -15,9 +15,10 @@ independent) mask repeated per head of the group. Every query row attends to exa
 result is the same attention; only the kernel's grouping of the work changes (in bfloat16 the last bits can differ,
 as between any two SDPA kernels). One token without a mask (a batch without holes) is folded the same way instead
 of taking ``enable_gqa``, which on CPU costs about twice as much for a batch of 16. Cases it does not cover (no
-grouped heads, one token with a mask (transformers folds it already), a causal prefill without a mask (the kernel's
-own causal path with ``enable_gqa`` is faster than any explicit mask, and is what plain decoding's prefill runs),
-dropout, per-head or additive masks, position biases) go to transformers' SDPA unchanged.
+grouped heads, one token with a mask (transformers folds it already), several tokens without a mask (a causal
+prefill: transformers' SDPA takes the kernel's own causal path, as plain decoding's prefill does, and over a static
+cache keeps the filled keys only), dropout, per-head or additive masks, position biases) go to transformers' SDPA
+unchanged.
 
 It is registered with transformers' ``AttentionInterface`` (and the SDPA mask builder with ``AttentionMaskInterface``)
 as ``"hf_dspark_packed_sdpa"``. ``packed_attention(model)`` switches a model that uses ``"sdpa"`` to it for the
@@ -44,14 +45,12 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """SDPA attention with the query heads of each key/value group folded into the query length (see the module
     docstring). ``query`` [B, H, q, d], ``key`` / ``value`` [B, H_kv, kv, d], ``attention_mask`` a boolean
-    [B, 1, q, kv] mask or None (causal over the last ``q`` keys); returns [B, q, H, d] as transformers' SDPA does."""
+    [B, 1, q, kv] mask, or None for one query token (several without a mask go to SDPA); returns [B, q, H, d] as transformers' SDPA does."""
     n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     batch, heads, q_length, dim = query.shape
     kv_length = key.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    prefill = attention_mask is None and q_length > 1 and kv_length == q_length and causal
     covered = (
-        n_rep > 1 and (q_length > 1 or attention_mask is None) and not prefill and dropout == 0.0
+        n_rep > 1 and (q_length > 1) == (attention_mask is not None) and dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None and key.shape[1] * n_rep == heads and value.shape[-1] == dim
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4
@@ -60,14 +59,7 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     if not covered:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    if attention_mask is None:
-        if q_length == 1 or not causal:
-            mask = None  # one new token sees every key
-        else:  # the new tokens are the last q keys: query i sees keys up to kv - q + i
-            rows = torch.arange(q_length, device=query.device)[:, None] + (kv_length - q_length)
-            mask = (torch.arange(kv_length, device=query.device)[None, :] <= rows)[None, None]
-    else:
-        mask = attention_mask
+    mask = attention_mask  # None only for one token, which sees every key
     if mask is not None:
         mask = mask[:, :, None].expand(mask.shape[0], 1, n_rep, q_length, kv_length)
         mask = mask.reshape(mask.shape[0], 1, n_rep * q_length, kv_length)

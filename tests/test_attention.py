@@ -43,14 +43,15 @@ def test_packed_gqa_equals_sdpa_with_ragged_masks(q):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
-def test_packed_gqa_without_mask_is_causal_over_the_new_tokens():
+@pytest.mark.parametrize("kv", [4, 9])
+def test_packed_gqa_leaves_several_tokens_without_a_mask_to_sdpa(kv):
+    """Without a mask, several query tokens mean a causal prefill: over as many keys (a dynamic cache) or over a
+    static cache's whole length, whose unfilled tail transformers' SDPA drops. Both are SDPA's own result."""
     module = _Module(groups=3)
-    query, key, value = _inputs(q=4, kv=9)
-    explicit = _ragged_mask(3, 4, 9)
-    explicit[:] = (torch.arange(9)[None, :] <= torch.arange(4)[:, None] + 5)  # no holes: plain causal
-    expected, _ = sdpa_attention_forward(module, query, key, value, explicit)
+    query, key, value = _inputs(q=4, kv=kv)
+    expected, _ = sdpa_attention_forward(module, query, key, value, None)
     got, _ = packed_gqa_attention(module, query, key, value, None)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 def test_packed_gqa_one_token_without_mask_sees_every_key():
