@@ -44,7 +44,7 @@ def test_ratios_against_plain_over_the_repeats(bench):
               "command": "python scripts/bench_context.py --repeats 2", "commit": "abc1234",
               "lengths": {"1024": {"prompt_tokens": 1040, "methods": summary}}}
     table = bench.markdown(report)
-    assert table.startswith("## Speed across context lengths: float32, 5 new tokens")
+    assert table.splitlines()[1] == "# Speed across context lengths: float32, 5 new tokens"
     assert "`python scripts/bench_context.py --repeats 2`" in table
     # round cost: the lookup rounds took 0.5 s each against plain's 1.75 s per token
     assert "| 1040 | hybrid | 1.29x | 1.56x | 1.000 | 4.00 | 0.29 (1; 0) |  | 0.29 (2; 3) | False |" in table
