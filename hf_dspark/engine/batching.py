@@ -60,7 +60,7 @@ from ..drafting import Draft, DSparkStats, seconds_between, time_mark
 from ..generation import is_dspark_drafter
 from ..scheduling import ConfidenceMemory
 from .admission import PrefillCost, prefill_groups, tail_filled_order
-from .cache import DeferredDrafterContext, RaggedBatchCache
+from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
 from .config import PLAIN, EngineConfig, engine_policy
 from .decisions import Choice, DraftingDecisions, StepPlan
 from .measurements import EngineMeasurements, measurement_key, rows_bucket
@@ -106,6 +106,7 @@ class DSparkEngine:
         self.target = target
         self.device = next(target.parameters()).device
         self.method = config.method
+        self.layout = AttentionLayout.of(target.config)
         self.drafter, self.block_size, self._taps = None, 0, []  # _taps: target hidden_states the drafter reads
         policy = None if config.method == PLAIN else self._attach(drafter)
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
@@ -509,10 +510,11 @@ class DSparkEngine:
         valid = torch.arange(width, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
         positions = torch.arange(width, device=self.device).expand(len(requests), -1)
         last = torch.tensor(lengths, device=self.device)[:, None] - 1
-        cache = DynamicCache(config=self.target.config)
+        cache = self.layout.new_cache(self.target.config)
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
+        mask = self._windowed_masks(valid, positions, positions) if self.layout.windowed else valid
         with packed_attention(self.target):
-            out = self.target(input_ids=ids, attention_mask=valid, position_ids=positions, cache=cache,
+            out = self.target(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                               use_cache=True, logits_to_keep=last, **extra)
         logits = out.logits[:, -1].float()  # [J, V] at each prompt's last position
         first = torch.empty(len(requests), dtype=torch.long, device=self.device)
@@ -532,6 +534,16 @@ class DSparkEngine:
             context = DeferredDrafterContext(self.drafter, len(requests), self.device)
             context.defer([out.hidden_states[i] for i in self._taps], positions, lengths)
         return RaggedBatchCache(cache, valid), context
+
+    def _windowed_masks(self, key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor):
+        """A sliding-window target's masks, built from positions (``AttentionLayout.masks``): transformers builds its
+        window from cache columns, which the engine's holes (rejected drafts, padding) would shift."""
+        implementation = self.target.config.get_text_config()._attn_implementation
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"the batched engine serves sliding-window targets with sdpa or eager attention; this "
+                             f"target uses {implementation!r} (load it with attn_implementation='sdpa')")
+        return self.layout.masks(key_valid, key_positions, query_positions,
+                                 next(self.target.parameters()).dtype if implementation == "eager" else None)
 
     # --------------------------------------------------------------------------------------------------------------
     # Drafting a block: one batched drafter forward
@@ -590,8 +602,13 @@ class DSparkEngine:
         tokens = torch.where(block_valid, tokens, anchors[:, None])  # padding: any real id, masked out
         positions = torch.tensor([r.length for r in rows], device=device)[:, None] + torch.arange(width, device=device)
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
+        if self.layout.windowed:
+            mask = self._windowed_masks(cache.attention_mask(block_valid),
+                                        torch.cat([cache.key_positions(), positions], dim=1), positions)
+        else:
+            mask = cache.attention_mask(block_valid)
         with packed_attention(self.target):  # no per-head copy of the cache for a wide block
-            out = self.target(input_ids=tokens, attention_mask=cache.attention_mask(block_valid),
+            out = self.target(input_ids=tokens, attention_mask=mask,
                               position_ids=positions, cache=cache.target_cache, use_cache=True, **extra)
         accepted, next_tokens = self._accept(out.logits.float(), draft_ids, num_drafts, lengths, choice, block)
         if self.drafter is not None:  # the verified positions' features wait until the request drafts again

@@ -127,6 +127,54 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
+class AttentionLayout(NamedTuple):
+    """Which attention the target's layers use: ``kinds`` (a set of ``"full_attention"`` / ``"sliding_attention"``)
+    and the ``window`` of the sliding ones (None without)."""
+
+    kinds: frozenset
+    window: int | None
+
+    @classmethod
+    def of(cls, config) -> "AttentionLayout":
+        """From the target's (text) config: its ``layer_types`` when given, else every layer sliding when it has a
+        ``sliding_window`` (Mistral), else full."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        window = getattr(text, "sliding_window", None)
+        kinds = frozenset(getattr(text, "layer_types", None) or
+                          (["sliding_attention"] if window else ["full_attention"]))
+        return cls(kinds, int(window) if window and "sliding_attention" in kinds else None)
+
+    @property
+    def windowed(self) -> bool:
+        return self.window is not None
+
+    def new_cache(self, config) -> DynamicCache:
+        """The engine's target cache: one full-length layer per decoder layer, also for sliding-window layers (their
+        window is applied by the masks, ``masks``, so a rollback never needs keys a window already dropped). Layer
+        kinds other than full and sliding attention keep transformers' own layers, which the engine refuses."""
+        if self.kinds <= {"full_attention", "sliding_attention"}:
+            return DynamicCache()
+        return DynamicCache(config=config)
+
+    def masks(self, key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
+              eager_dtype: torch.dtype | None = None):
+        """The attention masks of a windowed target's forward, from positions: key column c of row r is seen by
+        query i when it is valid and ``key_positions[r, c] <= query_positions[r, i]`` (full attention), and also
+        ``query_positions[r, i] - key_positions[r, c] < window`` (sliding). Holes never shift a position, so the
+        window counts tokens of the sequence, not cache columns. Returns the sliding [R, 1, Q, K] mask for a target
+        whose layers all slide, else ``{"full_attention": ..., "sliding_attention": ...}``; boolean, or additive
+        floats of ``eager_dtype`` for eager attention."""
+        seen = key_valid[:, None, None, :] & (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
+        near = seen & (query_positions[:, None, :, None] - key_positions[:, None, None, :] < self.window)
+        if eager_dtype is not None:
+            low = torch.finfo(eager_dtype).min
+            seen, near = (torch.zeros(m.shape, dtype=eager_dtype, device=m.device).masked_fill(~m, low)
+                          for m in (seen, near))
+        if self.kinds == {"sliding_attention"}:
+            return near
+        return {"full_attention": seen, "sliding_attention": near}
+
+
 class RaggedBatchCache(_ColumnAligned):
     """The target's ``DynamicCache`` for all active requests, one row per request, column-aligned, with ``valid``
     [R, W] marking the columns that hold verified positions.
@@ -160,6 +208,11 @@ class RaggedBatchCache(_ColumnAligned):
     def attention_mask(self, block_valid: torch.Tensor) -> torch.Tensor:
         """2D mask [R, W + Q] for a forward that appends Q block columns (``block_valid`` [R, Q])."""
         return torch.cat([self.valid, block_valid], dim=1)
+
+    def key_positions(self) -> torch.Tensor:
+        """[R, W]: the sequence position each valid column holds (its rank among the row's valid columns; holes
+        carry the position of the valid column before them and are masked anyway)."""
+        return self.valid.long().cumsum(dim=1) - 1
 
     def commit(self, kept: torch.Tensor) -> None:
         """After the cache appended Q block columns: keep the columns marked in ``kept`` [R, Q] (anchor and accepted
