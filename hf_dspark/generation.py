@@ -42,6 +42,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
         Draft,
         DSparkStats,
         LookupSurvival,
+        rollback_refusal,
         seconds_between,
         time_mark,
     )
@@ -54,6 +55,7 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
         Draft,
         DSparkStats,
         LookupSurvival,
+        rollback_refusal,
         seconds_between,
         time_mark,
     )
@@ -625,6 +627,9 @@ def validate_dspark_request(target, drafter, generation_config) -> None:
         )
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("DSpark drafters serve decoder-only targets")
+    refusal = rollback_refusal(target)
+    if refusal:
+        raise ValueError(f"DSpark-assisted generation cannot serve this target: {refusal}")
     drafter.check_target(target)
 
 

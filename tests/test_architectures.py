@@ -130,3 +130,30 @@ def test_engine_window_counts_positions_not_cache_columns():
     every = AttentionLayout.of(types.SimpleNamespace(sliding_window=4))  # Mistral: every layer slides
     assert every.kinds == {"sliding_attention"} and torch.is_tensor(every.masks(valid, positions, positions))
     assert not AttentionLayout.of(types.SimpleNamespace(sliding_window=None)).windowed
+
+
+@pytest.mark.parametrize("kinds", [["linear_attention", "full_attention"], ["conv", "full_attention"]])
+def test_targets_with_recurrent_layers_are_refused_up_front(kinds):
+    """Layers whose state absorbs every token read cannot roll rejected drafts back: both routes refuse such a
+    target before any forward, naming the layer kind and where it is."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from tests.helpers import make_drafter, make_target
+
+    target = make_target("llama", seed=0).eval()
+    drafter = make_drafter(target).eval()
+    target.config.layer_types = kinds + ["full_attention"] * (target.config.num_hidden_layers - len(kinds))
+    prompt = torch.tensor([[1, 5, 9, 3]])
+    with pytest.raises(ValueError, match=rf"cannot serve this target: .*'{kinds[0]}' layers \[0\]"):
+        target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=drafter)
+    with pytest.raises(ValueError, match=rf"batched engine cannot serve this target: .*'{kinds[0]}' layers \[0\]"):
+        generate_batch(target, [prompt[0]], drafter, SamplingParams(max_new_tokens=4), method="fixed")
+
+
+def test_the_engine_refuses_attention_kinds_it_cannot_mask():
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from tests.helpers import make_target
+
+    target = make_target("llama", seed=0).eval()
+    target.config.layer_types = ["chunked_attention"] + ["full_attention"] * (target.config.num_hidden_layers - 1)
+    with pytest.raises(ValueError, match=r"full and sliding-window attention layers; .*\['chunked_attention'\]"):
+        generate_batch(target, [torch.tensor([1, 5, 9])], None, SamplingParams(max_new_tokens=2), method="plain")

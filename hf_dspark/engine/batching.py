@@ -56,7 +56,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteriaList, StopStringCriteria
 
 from ..attention import packed_attention
-from ..drafting import Draft, DSparkStats, seconds_between, time_mark
+from ..drafting import Draft, DSparkStats, rollback_refusal, seconds_between, time_mark
 from ..generation import is_dspark_drafter
 from ..scheduling import ConfidenceMemory
 from .admission import PrefillCost, prefill_groups, tail_filled_order
@@ -102,11 +102,18 @@ class DSparkEngine:
             config = replace(config, method="scheduled" if drafter is not None else PLAIN)
         if getattr(target.config, "is_encoder_decoder", False):
             raise ValueError("the batched engine serves decoder-only targets")
+        refusal = rollback_refusal(target)
+        if refusal:
+            raise ValueError(f"the batched engine cannot serve this target: {refusal}")
+        layout = AttentionLayout.of(target.config)
+        if not layout.kinds <= {"full_attention", "sliding_attention"}:
+            raise ValueError(f"the batched engine serves full and sliding-window attention layers; this target also "
+                             f"has {sorted(layout.kinds - {'full_attention', 'sliding_attention'})} layers")
         self.config = config
         self.target = target
         self.device = next(target.parameters()).device
         self.method = config.method
-        self.layout = AttentionLayout.of(target.config)
+        self.layout = layout
         self.drafter, self.block_size, self._taps = None, 0, []  # _taps: target hidden_states the drafter reads
         policy = None if config.method == PLAIN else self._attach(drafter)
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
@@ -510,7 +517,7 @@ class DSparkEngine:
         valid = torch.arange(width, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
         positions = torch.arange(width, device=self.device).expand(len(requests), -1)
         last = torch.tensor(lengths, device=self.device)[:, None] - 1
-        cache = self.layout.new_cache(self.target.config)
+        cache = self.layout.new_cache()
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
         mask = self._windowed_masks(valid, positions, positions) if self.layout.windowed else valid
         with packed_attention(self.target):

@@ -148,13 +148,12 @@ class AttentionLayout(NamedTuple):
     def windowed(self) -> bool:
         return self.window is not None
 
-    def new_cache(self, config) -> DynamicCache:
+    @staticmethod
+    def new_cache() -> DynamicCache:
         """The engine's target cache: one full-length layer per decoder layer, also for sliding-window layers (their
-        window is applied by the masks, ``masks``, so a rollback never needs keys a window already dropped). Layer
-        kinds other than full and sliding attention keep transformers' own layers, which the engine refuses."""
-        if self.kinds <= {"full_attention", "sliding_attention"}:
-            return DynamicCache()
-        return DynamicCache(config=config)
+        window is applied by the masks, ``masks``, so a rollback never needs keys a window already dropped; the
+        engine refuses other layer kinds up front)."""
+        return DynamicCache()
 
     def masks(self, key_valid: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
               eager_dtype: torch.dtype | None = None):
