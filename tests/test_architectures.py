@@ -1,4 +1,4 @@
-"""The architecture matrix: tiny random targets of 20 transformers families (tests/architectures.py) crossed with
+"""The architecture matrix: tiny random targets of 21 transformers families (tests/architectures.py) crossed with
 every route a drafter takes. Greedy output equals plain ``generate()`` everywhere; sampling runs and keeps its
 length; one training step and a save/load round trip work for every family."""
 
@@ -157,3 +157,37 @@ def test_the_engine_refuses_attention_kinds_it_cannot_mask():
     target.config.layer_types = ["chunked_attention"] + ["full_attention"] * (target.config.num_hidden_layers - 1)
     with pytest.raises(ValueError, match=r"full and sliding-window attention layers; .*\['chunked_attention'\]"):
         generate_batch(target, [torch.tensor([1, 5, 9])], None, SamplingParams(max_new_tokens=2), method="plain")
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_sliding_targets_on_the_folder_route_static_round_and_a_stop(family, tmp_path):
+    """Past the window: the custom_generate folder route, the static draft round, and a stopping criterion that
+    fires inside a round all give plain greedy's tokens."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    target = make_family_target(family)
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(DSparkConfig.for_target(target.config, num_hidden_layers=1, block_size=4))
+    drafter = drafter.eval().attach_target(target)
+    folder = tmp_path / "drafter"
+    drafter.save_pretrained(folder)
+    prompt = torch.randint(2, VOCAB - 1, (1, 10), generator=torch.Generator().manual_seed(1))
+    length = prompt.shape[1] + WINDOW + 5
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= length, dtype=torch.bool)
+
+    def run(**extra):
+        return target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                               stopping_criteria=StoppingCriteriaList([StopAtLength()]), **extra)
+
+    plain = run()
+    assert plain.shape[1] == length
+    _with_policy(drafter, "fixed")
+    assert torch.equal(run(assistant_model=drafter, custom_generate=str(folder), trust_remote_code=True), plain)
+    drafter.generation_config.draft_round = "static"
+    try:
+        assert torch.equal(run(assistant_model=drafter), plain)
+    finally:
+        drafter.generation_config.draft_round = None
