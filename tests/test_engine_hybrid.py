@@ -119,3 +119,38 @@ def test_hybrid_wrong_lookup_q_is_detected(sampling_setup, monkeypatch):  # noqa
     counts, _, _ = sample_pairs_batched(target, drafter, prompt, SAMPLING_HYBRID, seed=11)
     pvalue = chi_square_pvalue(counts["t07k4"], exact["t07k4"])
     assert pvalue < 1e-3, f"the test has no power: a wrong lookup q passed (p={pvalue:.2e})"
+
+
+def test_the_realized_gate_judges_offers_with_the_block(tiny_targets, trained_drafters):
+    """Under the realized gate a step that verifies offers counts as a drafting step, and where the gate has ruled
+    drafting out at a batch size, no row takes an offer there either; outputs stay plain greedy's."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [repeated(p) for p in in_distribution_prompts(target, 2)]
+    params = SamplingParams(max_new_tokens=20)
+    open_engine = DSparkEngine(target, drafter, method="hybrid", sps=FLAT_SPS, explore_budget=0)
+    for prompt in prompts:
+        open_engine.add_request(prompt, params)
+    recorded = []
+    record = open_engine.measurements.record_step
+    open_engine.measurements.record_step = lambda rows, drafted, *a: recorded.append(drafted) or record(rows, drafted, *a)
+    while open_engine.has_unfinished():
+        open_engine.step()
+    offered = [bool(n) for n in open_engine.stats.lookups]
+    drafted = [bool(n) for n in open_engine.stats.drafting]
+    assert any(offered), "lookup must fire on repeated text for the test to exercise it"
+    assert True in recorded  # steps with offers (or blocks) enter the gate's drafting side
+
+    closed = DSparkEngine(target, drafter, method="hybrid", sps=FLAT_SPS, explore_budget=0, explore_interval=64,
+                          max_explore_interval=64)  # no re-measurement within these 20 tokens
+    for drafted_step, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 4, 0.04), (False, 4, 0.04)):
+        closed.measurements.record_step(2, drafted_step, emitted=emitted, seconds=seconds)  # drafting lost at 2 rows
+    ids = [closed.add_request(prompt, params) for prompt in prompts]
+    closed.step()  # both requests join: their first step after the prompt is not representative
+    while closed.has_unfinished() and len(closed.batch.rows) == 2:
+        closed.step()
+        assert closed.stats.lookups[-1] == 0 and closed.stats.drafting[-1] == 0
+    while closed.has_unfinished():
+        closed.step()
+    for prompt, request_id in zip(prompts, ids):
+        assert closed.outputs[request_id].token_ids == plain_greedy(target, prompt, 20)
+    assert offered or drafted

@@ -419,11 +419,11 @@ class DSparkEngine:
         stats.verify_s += verified - verifying
         seconds = time.perf_counter() - started
         stats.seconds.append(seconds)
-        # What the whole step delivered (a first step is not typical). The gate weighs the drafter's steps against
-        # steps without it; a step with offers is neither.
-        if self.decisions.realized_gate and plan.representative and not offered:
+        # What the whole step delivered (a first step is not typical). The gate weighs the steps that verify
+        # speculative tokens (a block or an offer) against the steps without.
+        if self.decisions.realized_gate and plan.representative:
             output = sum(counts) if self.config.gate_tokens == "emitted" else batch_progress(remaining, counts)
-            self.measurements.record_step(rows, bool(choice.drafting), output, seconds)
+            self.measurements.record_step(rows, bool(choice.drafting) or offered > 0, output, seconds)
         prediction = self.decisions.prediction
         if choice.drafting and prediction is not None and self._checks_model(choice):
             self.measurements.record_model_check(rows_bucket(rows), True, *prediction, sum(counts), seconds)

@@ -57,8 +57,9 @@ class EngineConfig:
         steps this model decided delivered against its prediction for them (``EngineMeasurements.model_factor``).
     realized_gate: under the scheduler with ``cost_aware``, also judge drafting by what it has actually delivered:
         per batch size R, tokens per second (counted as ``gate_tokens`` says) over recent whole steps (drafter,
-        context catch-up, verification, bookkeeping) are kept for steps where some request drafted and steps where
-        none did. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
+        context catch-up, verification, bookkeeping) are kept for steps where some request drafted (a block, or
+        a free source's offer under the hybrid) and steps where none did; while the gate rules drafting out, offers
+        wait too. Once both are measured at R and drafting steps have not been ``DRAFTING_MARGIN`` (3%) faster (the
         last 4 plain steps against the drafting steps since the first of them, ``RealizedGate.compared_rates``:
         the two sides from the same stretch of a machine whose speed drifts), R decodes plain, drafting again
         after ``explore_interval`` steps to re-measure (the wait doubling, up to ``max_explore_interval``, each

@@ -85,11 +85,23 @@ class DraftingDecisions:
         return StepPlan([min(self.block_size, request.remaining - 1) for request in rows], self.representative())
 
     def choose(self, plan: StepPlan) -> Choice:
-        """Which rows verify an offer (``offers``) and which draft a block (``drafting_rows``, over the rows left)."""
-        offers = self.offers(plan.caps)
+        """Which rows verify an offer (``offers``) and which draft a block (``drafting_rows``, over the rows left).
+        Under the realized gate a step with offers counts as a drafting step (both verify speculative tokens, and
+        both widen every row of the padded batch), so offers wait while the gate rules drafting out at this batch
+        size: the gate then judges every source by what its steps deliver, not the block alone."""
+        offers = self.offers(plan.caps) if self.speculation_open(plan) else {}
         caps = [0 if i in offers else cap for i, cap in enumerate(plan.caps)] if offers else plan.caps
         capacity = self.topk_capacity(caps) if self.scheduled and self.config.schedule == "topk" else None
         return Choice(offers, self.drafting_rows(caps, capacity, plan.representative), capacity)
+
+    def speculation_open(self, plan: StepPlan) -> bool:
+        """Whether the realized gate lets this step verify speculative tokens at its batch size (True without the
+        gate, or before the policy has free sources to offer). Reads the gate's verdict without changing it."""
+        if not (self.sources and self.realized_gate):
+            return True
+        config, rows = self.config, len(plan.caps)
+        return self.measurements.drafting_verdict(rows, config.explore_interval, config.max_explore_interval,
+                                                  config.explore_budget, plan.representative)[0]
 
     def representative(self) -> bool:
         """Whether this step is like most for the realized gate: not one where most requests take their first step
