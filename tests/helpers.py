@@ -15,6 +15,16 @@ from hf_dspark.training.losses import drafter_training_step
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _find_shared() -> Path:
     """The team's shared folder (fixtures, prompt data): $HF_DSPARK_SHARED, else ``shared/`` beside the repo."""
     if "HF_DSPARK_SHARED" in os.environ:

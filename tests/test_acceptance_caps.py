@@ -1,21 +1,16 @@
 """scripts/acceptance_caps.py: the summary of teacher-forced block records, on hand-made records."""
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "acceptance_caps.py"
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def caps():
-    spec = importlib.util.spec_from_file_location("acceptance_caps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("acceptance_caps")
 
 
 def test_summary_of_hand_made_blocks(caps):

@@ -1,20 +1,15 @@
 """scripts/bench_context.py: prompts cut from long documents, and the ratios and table built from hand-made runs."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_context.py"
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_context", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_context")
 
 
 def _run(seconds, ttft, output, sources=None):

@@ -30,7 +30,7 @@ from hf_dspark.drafter_files import module_closure
 from hf_dspark.hub import evaluation_text, load_report, training_text, write_hub_folder
 from hf_dspark.training.checkpoints import INIT_CARD
 from tests._hub_client import state_digest
-from tests.helpers import REPO, make_drafter, make_target, python_files, random_prompts, written_code
+from tests.helpers import REPO, load_script, make_drafter, make_target, python_files, random_prompts, written_code
 from tests.hub_server import HubServer
 
 BENCH_REPORT = REPO / "reports" / "bench-smollm2-fp32.json"
@@ -393,15 +393,12 @@ class Olah:
 def test_package_drafter_script_writes_a_card_and_the_chosen_policy(tmp_path, tiny_target, policy, monkeypatch):
     """scripts/package_drafter.py: bf16 weights, the card's training section from the run, and the policy: hybrid
     for a drafter with a confidence head unless --verification-policy names another (the DFlash ablation: fixed)."""
-    import importlib.util
     import sys
 
     run = write_run(tmp_path)
     fresh_drafter(tiny_target).save_pretrained(run / "drafter")
     out = tmp_path / "packaged"
-    spec = importlib.util.spec_from_file_location("package_drafter", REPO / "scripts" / "package_drafter.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("package_drafter")
     argv = ["package_drafter.py", "--run", str(run), "--output", str(out), "--name", "tiny-dspark"]
     monkeypatch.setattr(sys, "argv", argv + (["--verification-policy", policy] if policy else []))
     script.main()
