@@ -24,6 +24,7 @@ from hf_dspark.engine import (
     schedule_batch,
     speculative_verify,
 )
+from hf_dspark.engine.admission import ADMISSION_HOLD_GENERATIONS, hold_budget
 from hf_dspark.engine.decisions import DraftingDecisions
 from hf_dspark.profiling import BatchedStepsPerSecond
 from hf_dspark.scheduling import ConfidenceMemory, StepsPerSecond
@@ -350,11 +351,12 @@ def test_joins_mid_flight_and_streaming(tiny_targets, trained_drafters, method):
         assert engine.outputs[request_id].token_ids == expected == streamed[request_id]
 
 
-@pytest.mark.parametrize("hold,calls,held", [(0, 3, 0), (0.5, 3, 0), (2, 2, 2)])
+@pytest.mark.parametrize("hold,calls,held", [(0, 3, 0), (0.25, 3, 0), (2, 2, 2)])
 def test_admission_hold_lets_joiners_share_a_prefill(tiny_targets, hold, calls, held):
     """Two slots, four requests. A (3 tokens) leaves after step 2, when B (5 tokens) still has 2 to go. Held, A's slot
     waits the two steps for B's and C and D share one prefill forward; with too small a budget for B's two steps
-    (0.5 * 2 slots = 1 slot-step), or none, C joins at once and D after B. Outputs never change."""
+    (0.25 * 2 slots * 2 generations, this one and D's = 1 slot-step), or none, C joins at once and D after B.
+    Outputs never change."""
     target = tiny_targets["llama"]
     prompts = [p[0].tolist()[: 3 + i] for i, p in enumerate(random_prompts(4, 8, target.config.vocab_size, seed=3))]
     max_new = [3, 5, 6, 4]
@@ -374,12 +376,36 @@ def test_admission_is_not_held_without_a_queue_or_a_row_about_to_finish(tiny_tar
     three = generate_batch(target, prompts[:3], None, [SamplingParams(max_new_tokens=m) for m in (3, 5, 4)],
                            method="plain", max_concurrency=2, admission_hold=8)
     assert three.stats.held_slot_steps == 0 and three.stats.prefill_calls == 2
-    # B has 20 tokens to go when A leaves, more than the budget's 16 steps: C and D do not wait for it
+    # B has 20 tokens to go when A leaves, more than the budget's 16 steps (4 * 2 slots * 2 generations): C and D
+    # do not wait for it
     four = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in (3, 23, 4, 4)],
-                          method="plain", max_concurrency=2, admission_hold=8)
+                          method="plain", max_concurrency=2, admission_hold=4)
     assert four.stats.held_slot_steps == 0 and four.stats.prefill_calls == 3
     with pytest.raises(ValueError, match="admission_hold"):
         DSparkEngine(target, method="plain", admission_hold=-1)
+
+
+def test_hold_budget_prices_each_generation_the_queue_fills():
+    # one batch of slot-steps per generation: this one, and each later one the queue beyond the free slots fills
+    assert hold_budget(1.0, 16, waiting=17, free=16) == 32
+    assert hold_budget(1.0, 16, waiting=48, free=5) == 64  # 43 beyond: 3 later generations
+    assert hold_budget(0.5, 16, waiting=500, free=1) == 0.5 * 16 * ADMISSION_HOLD_GENERATIONS  # capped
+    assert hold_budget(1.0, 2, waiting=2, free=1) == 4
+
+
+@pytest.mark.parametrize("queued,held", [(2, 0), (4, 3)])
+def test_a_longer_queue_holds_longer(tiny_targets, queued, held):
+    """Two slots. A (3 tokens) leaves after step 2, when B (6 tokens) still has 3 to go. At hold 0.5 the budget is a
+    slot-step per generation: with two requests queued (this generation and one more) A's slot may wait 2 steps, not
+    B's 3; with four queued (two more generations) it waits the 3 and B's successor joins with A's."""
+    target = tiny_targets["llama"]
+    prompts = [p[0].tolist() for p in random_prompts(2 + queued, 6, target.config.vocab_size, seed=5)]
+    max_new = [3, 6] + [4] * queued
+    result = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            method="plain", max_concurrency=2, admission_hold=0.5)
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m)
+    assert result.stats.summary()["held_slot_steps"] == held
 
 
 def test_scheduler_on_and_off(tiny_targets, trained_drafters):

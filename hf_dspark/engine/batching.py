@@ -59,7 +59,7 @@ from ..attention import packed_attention
 from ..drafting import Draft, DSparkStats, rollback_refusal, seconds_between, time_mark
 from ..generation import is_dspark_drafter
 from ..scheduling import ConfidenceMemory
-from .admission import PrefillCost, prefill_groups, tail_filled_order
+from .admission import PrefillCost, hold_budget, prefill_groups, tail_filled_order
 from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
 from .config import PLAIN, EngineConfig, engine_policy
 from .decisions import Choice, DraftingDecisions, StepPlan
@@ -448,12 +448,14 @@ class DSparkEngine:
     def _hold_admission(self) -> bool:
         """Whether this step's free slots wait (``admission_hold``): only when more requests wait than fit now, an
         active request will surely have finished (each step emits at least one token) before the hold's remaining
-        slot-steps run out, and the budget is not spent. Counts the slot-steps it holds."""
-        free = 0 if self.config.max_concurrency is None else self.config.max_concurrency - len(self.batch.rows)
-        if self.config.admission_hold <= 0 or not self.batch.rows or free <= 0 or len(self._waiting) <= free:
+        slot-steps run out, and the budget (``hold_budget``) is not spent. Counts the slot-steps it holds."""
+        config = self.config
+        free = 0 if config.max_concurrency is None else config.max_concurrency - len(self.batch.rows)
+        if config.admission_hold <= 0 or not self.batch.rows or free <= 0 or len(self._waiting) <= free:
             self._held_slot_steps = 0
             return False
-        steps_left = int((self.config.admission_hold * self.config.max_concurrency - self._held_slot_steps) // free)
+        budget = hold_budget(config.admission_hold, config.max_concurrency, len(self._waiting), free)
+        steps_left = int((budget - self._held_slot_steps) // free)
         if steps_left < 1 or not any(r.remaining <= steps_left for r in self.batch.rows):
             self._held_slot_steps = 0
             return False

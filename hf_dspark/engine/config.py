@@ -105,11 +105,13 @@ class EngineConfig:
     admission_hold: with ``max_concurrency`` set and more requests waiting than there are free slots, the free
         slots wait while an active request is sure to finish (its remaining ``max_new_tokens``) within the
         steps they may still wait, so that its successor joins in the same prefill forward: at most
-        ``admission_hold * max_concurrency`` idle slot-steps per admission (``ADMISSION_HOLD``, 1: a prefill
-        forward costs about half a full decode step whatever it carries, and requests that joined apart keep
-        finishing apart, each later generation paying again). Requests finishing at different steps
-        (EOS, accepted drafts) would otherwise pay one prefill forward each. 0 admits at once. Outputs do not
-        depend on it; the slot-steps held are counted in ``stats.held_slot_steps``.
+        ``admission_hold * max_concurrency`` idle slot-steps per admission and per generation the held slots
+        serve, this one and each later one the queue fills, up to ``ADMISSION_HOLD_GENERATIONS``
+        (``admission.hold_budget``; ``ADMISSION_HOLD``, 1: a prefill forward costs about a decode step whatever
+        it carries, and requests that joined apart keep finishing apart, each later generation paying again).
+        Requests finishing at different steps (EOS, accepted drafts) would otherwise pay one prefill forward
+        each. 0 admits at once. Outputs do not depend on it; the slot-steps held are counted in
+        ``stats.held_slot_steps``.
     measurements: an ``EngineMeasurements`` holding the drafter, verify and whole-step timings this engine
         prices its decisions with, and adds to. Pass the same object to several engines (or one loaded from a
         file) and each starts from what the others measured instead of paying to learn it again; it must come
