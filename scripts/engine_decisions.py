@@ -1,0 +1,110 @@
+"""The batched engine's decisions with every input that depends on timing held fixed: which steps draft, how many
+drafts each request verifies, what each step emits, and the outputs.
+
+A scheduled engine decides from the drafts' confidences, the SPS profile, and timings it measures as it runs (the
+realized gate, the cost check, the repricing of the profile). Two runs of the same code differ through the timings
+alone, so comparing the speed of two versions cannot tell a changed rule from a noisy machine. This script turns the
+timing-fed parts off (``realized_gate``, ``cost_aware``, ``adapt_sps``) and prices every step with one given profile;
+what is left (confidences, the online survival correction, Algorithm 1, caps) is deterministic, so two checkouts
+whose decision rules agree write the same trace and the same digest.
+
+    python scripts/engine_decisions.py --sps PROFILE.json --output new.json
+    python scripts/engine_decisions.py --sps PROFILE.json --output old.json --tree /path/to/older/checkout
+
+``--sps``: a batched SPS profile as ``hf_dspark.profiling.load_or_profile_batched`` caches it (the ``curves`` of
+``~/.cache/hf_dspark/profiles/sps-batched-*.json``). ``--tree``: a checkout whose ``hf_dspark`` is imported instead
+of the installed one (for an older version of the package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+TIMING_FREE = {"realized_gate": False, "cost_aware": False, "adapt_sps": False}
+
+
+def digest(value) -> str:
+    return hashlib.sha1(json.dumps(value).encode()).hexdigest()[:12]
+
+
+def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str = "scheduler", concurrency: int = 1,
+                   max_new_tokens: int = 16) -> dict:
+    """Serve ``prompts`` greedily with the engine's ``method`` priced by ``sps`` (a ``BatchedStepsPerSecond``), the
+    timing-fed decisions off; returns each step's drafting rows, verified drafts and emitted tokens, the outputs, and
+    a digest of the decisions."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+
+    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=max_new_tokens), method=method,
+                            sps=sps, max_concurrency=concurrency, **TIMING_FREE)
+    stats = result.stats
+    trace = {"drafting": list(stats.drafting), "verify_tokens": list(stats.verify_tokens),
+             "emitted": list(stats.emitted), "outputs": [output.token_ids for output in result.outputs]}
+    trace["decisions_digest"] = digest([trace["drafting"], trace["verify_tokens"], trace["emitted"]])
+    trace["outputs_digest"] = digest(trace["outputs"])
+    return trace
+
+
+def import_package(tree: str | None):
+    """``hf_dspark`` from ``tree`` (bypassing an installed or editable copy), or the installed one."""
+    if tree is not None:
+        root = str(Path(tree).resolve())
+        sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
+        sys.path.insert(0, root)
+        for name in [name for name in sys.modules if name == "hf_dspark" or name.startswith("hf_dspark.")]:
+            del sys.modules[name]
+    import hf_dspark
+
+    if tree is not None and not str(Path(hf_dspark.__file__).resolve()).startswith(root):
+        raise SystemExit(f"--tree {tree}: imported hf_dspark from {hf_dspark.__file__} instead")
+    return hf_dspark
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sps", required=True, help="batched SPS profile JSON (with 'curves')")
+    parser.add_argument("--output", required=True, help="trace JSON to write")
+    parser.add_argument("--tree", help="checkout whose hf_dspark to import (default: the installed package)")
+    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"),
+                        help="prompt files or folders (default: ../shared/data/eval)")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--method", default="scheduled",
+                        help="engine method (default 'scheduled', which every version of the engine reads)")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    for flag in ("num_prompts", "max_new_tokens", "concurrency", "threads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    sps_path = Path(args.sps)
+    if not sps_path.is_file():
+        parser.error(f"--sps {args.sps}: no such file")
+    data = json.loads(sps_path.read_text())
+    if "curves" not in data:
+        parser.error(f"--sps {args.sps}: not a batched SPS profile (no 'curves')")
+
+    hf_dspark = import_package(args.tree)
+    import torch
+
+    from hf_dspark.engine.bench import encode_prompts
+    from hf_dspark.profiling import BatchedStepsPerSecond
+    from hf_dspark.prompts import load_prompts
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer, drafter = hf_dspark.load_default(dtype=torch.float32)
+    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts)]
+    sps = BatchedStepsPerSecond.from_dict({"curves": data["curves"]})
+    trace = decision_trace(target, drafter, prompts, sps, args.method, args.concurrency, args.max_new_tokens)
+    trace["package"] = str(Path(hf_dspark.__file__).parent)
+    Path(args.output).write_text(json.dumps(trace) + "\n")
+    print(f"{trace['package']}: {len(trace['verify_tokens'])} steps, {sum(trace['verify_tokens'])} drafts verified, "
+          f"decisions {trace['decisions_digest']}, outputs {trace['outputs_digest']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
