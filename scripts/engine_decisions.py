@@ -5,15 +5,18 @@ A scheduled engine decides from the drafts' confidences, the SPS profile, and ti
 realized gate, the cost check, the repricing of the profile). Two runs of the same code differ through the timings
 alone, so comparing the speed of two versions cannot tell a changed rule from a noisy machine. This script turns the
 timing-fed parts off (``realized_gate``, ``cost_aware``, ``adapt_sps``) and prices every step with one given profile;
-what is left (confidences, the online survival correction, Algorithm 1, caps) is deterministic, so two checkouts
-whose decision rules agree write the same trace and the same digest.
+what is left (confidences, the online survival correction, Algorithm 1, caps, admission) is deterministic, so two
+checkouts whose decision rules agree write the same trace and the same digest.
 
     python scripts/engine_decisions.py --sps PROFILE.json --output new.json
     python scripts/engine_decisions.py --sps PROFILE.json --output old.json --tree /path/to/older/checkout
 
 ``--sps``: a batched SPS profile as ``hf_dspark.profiling.load_or_profile_batched`` caches it (the ``curves`` of
 ``~/.cache/hf_dspark/profiles/sps-batched-*.json``). ``--tree``: a checkout whose ``hf_dspark`` is imported instead
-of the installed one (for an older version of the package).
+of the installed one, for an older version of the package; its engine must take ``realized_gate``, ``cost_aware``
+and ``adapt_sps``, and it must have ``load_default``, ``defaults.load_drafter_for`` and ``prompts.load_prompts``.
+``--drafter``: the drafter folder both runs load (default: this checkout's embedded DSpark drafter), so that weights
+a checkout embeds differently do not pass for a changed rule; its weights' digest is part of the trace.
 """
 
 from __future__ import annotations
@@ -25,21 +28,27 @@ import sys
 from pathlib import Path
 
 TIMING_FREE = {"realized_gate": False, "cost_aware": False, "adapt_sps": False}
+METHOD = "scheduled"  # the scheduler's engine name in every version of the engine (later ones also read "scheduler")
+DRAFTER = Path(__file__).resolve().parents[1] / "hf_dspark" / "drafters" / "smollm2-135m-instruct-dspark"
 
 
 def digest(value) -> str:
     return hashlib.sha1(json.dumps(value).encode()).hexdigest()[:12]
 
 
-def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str = "scheduler", concurrency: int = 1,
+def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str = METHOD, concurrency: int = 1,
                    max_new_tokens: int = 16) -> dict:
     """Serve ``prompts`` greedily with the engine's ``method`` priced by ``sps`` (a ``BatchedStepsPerSecond``), the
     timing-fed decisions off; returns each step's drafting rows, verified drafts and emitted tokens, the outputs, and
     a digest of the decisions."""
     from hf_dspark.engine import SamplingParams, generate_batch
 
-    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=max_new_tokens), method=method,
-                            sps=sps, max_concurrency=concurrency, **TIMING_FREE)
+    try:
+        result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=max_new_tokens),
+                                method=method, sps=sps, max_concurrency=concurrency, **TIMING_FREE)
+    except TypeError as error:  # an engine older than one of TIMING_FREE's settings
+        raise SystemExit(f"this engine cannot turn its timing-fed decisions off ({error}); it needs "
+                         f"{sorted(TIMING_FREE)}") from error
     stats = result.stats
     trace = {"drafting": list(stats.drafting), "verify_tokens": list(stats.verify_tokens),
              "emitted": list(stats.emitted), "outputs": [output.token_ids for output in result.outputs]}
@@ -51,14 +60,14 @@ def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str =
 def import_package(tree: str | None):
     """``hf_dspark`` from ``tree`` (bypassing an installed or editable copy), or the installed one."""
     if tree is not None:
-        root = str(Path(tree).resolve())
+        root = Path(tree).resolve()
         sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
-        sys.path.insert(0, root)
+        sys.path.insert(0, str(root))
         for name in [name for name in sys.modules if name == "hf_dspark" or name.startswith("hf_dspark.")]:
             del sys.modules[name]
     import hf_dspark
 
-    if tree is not None and not str(Path(hf_dspark.__file__).resolve()).startswith(root):
+    if tree is not None and not Path(hf_dspark.__file__).resolve().is_relative_to(root):
         raise SystemExit(f"--tree {tree}: imported hf_dspark from {hf_dspark.__file__} instead")
     return hf_dspark
 
@@ -73,8 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--method", default="scheduled",
-                        help="engine method (default 'scheduled', which every version of the engine reads)")
+    parser.add_argument("--drafter", default=str(DRAFTER),
+                        help="drafter folder both versions load (default: this checkout's embedded DSpark drafter)")
+    parser.add_argument("--method", default=METHOD,
+                        help=f"engine method (default {METHOD!r}, which every version of the engine reads)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     for flag in ("num_prompts", "max_new_tokens", "concurrency", "threads"):
@@ -83,6 +94,9 @@ def main(argv=None) -> int:
     sps_path = Path(args.sps)
     if not sps_path.is_file():
         parser.error(f"--sps {args.sps}: no such file")
+    drafter_weights = Path(args.drafter) / "model.safetensors"
+    if not drafter_weights.is_file():
+        parser.error(f"--drafter {args.drafter}: no model.safetensors there")
     data = json.loads(sps_path.read_text())
     if "curves" not in data:
         parser.error(f"--sps {args.sps}: not a batched SPS profile (no 'curves')")
@@ -95,14 +109,19 @@ def main(argv=None) -> int:
     from hf_dspark.prompts import load_prompts
 
     torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = hf_dspark.load_default(dtype=torch.float32)
+    from hf_dspark.defaults import load_drafter_for
+
+    target, tokenizer, _ = hf_dspark.load_default(dtype=torch.float32)
+    drafter, _ = load_drafter_for(target, args.drafter, dtype=torch.float32)
     prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts)]
     sps = BatchedStepsPerSecond.from_dict({"curves": data["curves"]})
     trace = decision_trace(target, drafter, prompts, sps, args.method, args.concurrency, args.max_new_tokens)
     trace["package"] = str(Path(hf_dspark.__file__).parent)
+    trace["drafter_weights_sha256"] = hashlib.sha256(drafter_weights.read_bytes()).hexdigest()[:12]
     Path(args.output).write_text(json.dumps(trace) + "\n")
-    print(f"{trace['package']}: {len(trace['verify_tokens'])} steps, {sum(trace['verify_tokens'])} drafts verified, "
-          f"decisions {trace['decisions_digest']}, outputs {trace['outputs_digest']}")
+    print(f"{trace['package']} (drafter weights {trace['drafter_weights_sha256']}): {len(trace['verify_tokens'])} "
+          f"steps, {sum(trace['verify_tokens'])} drafts verified, decisions {trace['decisions_digest']}, "
+          f"outputs {trace['outputs_digest']}")
     return 0
 
 

@@ -389,6 +389,7 @@ def test_hold_budget_prices_each_generation_the_queue_fills():
     # one batch of slot-steps per generation: this one, and each later one the queue beyond the free slots fills
     assert hold_budget(1.0, 16, waiting=17, free=16) == 32
     assert hold_budget(1.0, 16, waiting=48, free=5) == 64  # 43 beyond: 3 later generations
+    assert hold_budget(1.0, 16, waiting=20, free=1) == 48  # 19 beyond: 2 later generations, under the cap
     assert hold_budget(0.5, 16, waiting=500, free=1) == 0.5 * 16 * ADMISSION_HOLD_GENERATIONS  # capped
     assert hold_budget(1.0, 2, waiting=2, free=1) == 4
 

@@ -1,6 +1,8 @@
 """scripts/engine_decisions.py: the engine's decisions with the timing-fed parts off are a deterministic trace."""
 
 import json
+import random
+import time
 
 import pytest
 
@@ -32,6 +34,33 @@ def test_the_trace_repeats_and_follows_the_profile(script, tiny_targets, trained
     assert dear["outputs_digest"] == first["outputs_digest"]
 
 
+def test_a_noisy_clock_moves_only_the_timing_fed_decisions(script, tiny_targets, trained_drafters, monkeypatch):
+    """Under a clock whose every step takes a random time, the trace with the timing-fed parts off does not move,
+    and the engine with them on (realized gate, cost check, repricing) decides differently."""
+    target, drafter = tiny_targets["llama"], trained_drafters["llama"]
+    prompts = [p[0].tolist() for p in random_prompts(3, 6, target.config.vocab_size, seed=7)]
+
+    def traces(timing_free: dict) -> tuple[dict, dict]:
+        monkeypatch.setattr(script, "TIMING_FREE", timing_free)
+        steady = script.decision_trace(target, drafter, prompts, CHEAP, max_new_tokens=12)
+        rng, now = random.Random(0), [0.0]
+
+        def noisy() -> float:
+            now[0] += rng.expovariate(1 / 0.05)
+            return now[0]
+
+        with monkeypatch.context() as patch:
+            patch.setattr(time, "perf_counter", noisy)
+            shaken = script.decision_trace(target, drafter, prompts, CHEAP, max_new_tokens=12)
+        return steady, shaken
+
+    steady, shaken = traces(script.TIMING_FREE)
+    assert shaken == steady
+    steady, shaken = traces({})
+    assert shaken["decisions_digest"] != steady["decisions_digest"]
+    assert shaken["outputs"] == steady["outputs"]  # decisions never change the output
+
+
 def test_a_file_without_curves_is_refused(script, tmp_path, capsys):
     flat = tmp_path / "profile.json"
     flat.write_text(json.dumps({"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0]}))
@@ -42,3 +71,6 @@ def test_a_file_without_curves_is_refused(script, tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main(["--sps", str(tmp_path / "missing.json"), "--output", str(tmp_path / "trace.json")])
     assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main(["--sps", str(flat), "--output", str(tmp_path / "trace.json"), "--drafter", str(tmp_path)])
+    assert "no model.safetensors" in capsys.readouterr().err

@@ -12,27 +12,26 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .requests import Request
 
-# Free slots may wait for joiners to share one prefill forward, up to this many slot-steps per full batch and per
-# generation of the slots the hold keeps together (``EngineConfig.admission_hold``, ``hold_budget``). A prefill
-# forward has a fixed price whatever it carries (``PrefillCost``: about 0.8 of a decode step at 16 rows), so one
-# batch of idle slot-steps prices one forward saved. ``hf-dspark bench-serve --policies plain plain,hold=0``
-# measures it.
+# Free slots may wait for joiners to share one prefill forward, up to this many batches of idle slot-steps
+# (``max_concurrency`` each) per generation the hold keeps together (``EngineConfig.admission_hold``,
+# ``hold_budget``). A prefill forward has a fixed price whatever it carries (``PrefillCost``: 73 prompt tokens'
+# worth, against 89 for a decode step at 16 rows), so one batch of idle slot-steps prices about one forward saved.
+# ``hf-dspark bench-serve --policies plain plain,hold=0`` measures it.
 ADMISSION_HOLD = 1.0
-# Requests that join apart keep finishing apart: every later generation of their slots joins in two admissions again,
-# each split into its own prefill forwards by length. A hold therefore saves a forward for this generation and for
-# each later one the waiting queue fills, and is priced for up to this many generations in all. SmolLM2 at 16
-# requests (float32, 2 CPU threads, 64 prompts x 32 tokens): the scheduler's two measuring drafting rounds spread a
-# cold batch's rows over ~10 tokens; priced for one generation the hold let them join in three admissions per
-# generation for the rest of the run (24 prefill forwards against plain's 17), 0.92-0.95x plain; priced for four,
-# 0.97-0.98x. The cap bounds what a long queue of requests that end early (EOS) may leave idle.
+# Requests that join apart keep finishing apart: every later generation of their slots joins in several admissions
+# again, each split into its own prefill forwards by prompt length. A hold therefore saves a forward for this
+# generation and for each later one the waiting queue fills, and is priced for up to this many generations in all.
+# What spreads a batch most is a scheduled engine's first drafting rounds (the realized gate measures drafting
+# there, early in the answers, where drafts are accepted most often): at 16 requests they leave rows up to ~10
+# tokens apart. The cap bounds what a long queue of requests that end early (EOS) may leave idle.
 ADMISSION_HOLD_GENERATIONS = 4
 
 
 def hold_budget(hold: float, max_concurrency: int, waiting: int, free: int) -> float:
     """Idle slot-steps an admission may hold ``free`` slots for, with ``waiting`` requests queued: ``hold`` batches
-    of slot-steps (``max_concurrency`` each) per generation the held slots serve, this one and each later one the
-    queue beyond the slots fills (``ceil((waiting - free) / max_concurrency)``), at most
-    ``ADMISSION_HOLD_GENERATIONS`` in all."""
+    of slot-steps (``max_concurrency`` each) for this generation and for each later full batch the queue beyond the
+    free slots fills (``ceil((waiting - free) / max_concurrency)``), at most ``ADMISSION_HOLD_GENERATIONS``
+    batches in all."""
     later = -(-max(0, waiting - free) // max_concurrency)
     return hold * max_concurrency * min(1 + later, ADMISSION_HOLD_GENERATIONS)
 

@@ -105,10 +105,11 @@ class EngineConfig:
     admission_hold: with ``max_concurrency`` set and more requests waiting than there are free slots, the free
         slots wait while an active request is sure to finish (its remaining ``max_new_tokens``) within the
         steps they may still wait, so that its successor joins in the same prefill forward: at most
-        ``admission_hold * max_concurrency`` idle slot-steps per admission and per generation the held slots
-        serve, this one and each later one the queue fills, up to ``ADMISSION_HOLD_GENERATIONS``
-        (``admission.hold_budget``; ``ADMISSION_HOLD``, 1: a prefill forward costs about a decode step whatever
-        it carries, and requests that joined apart keep finishing apart, each later generation paying again).
+        ``admission_hold * max_concurrency`` idle slot-steps per admission for this generation and for each later
+        full batch the queue fills, up to ``ADMISSION_HOLD_GENERATIONS`` (``admission.hold_budget``;
+        ``ADMISSION_HOLD``, 1: one batch of idle slot-steps prices about one prefill forward, whose fixed price is
+        about a decode step's, and requests that joined apart keep finishing apart, each later generation paying
+        again).
         Requests finishing at different steps (EOS, accepted drafts) would otherwise pay one prefill forward
         each. 0 admits at once. Outputs do not depend on it; the slot-steps held are counted in
         ``stats.held_slot_steps``.
