@@ -1,5 +1,5 @@
-"""Admission of waiting requests: how long free slots wait for joiners (``ADMISSION_HOLD``, ``hold_budget``), which joiners share
-a prefill forward (``PrefillCost``, ``prefill_groups``), and the row order when requests leave
+"""Admission of waiting requests: how long free slots wait for joiners (``ADMISSION_HOLD``, ``hold_budget``),
+which joiners share a prefill forward (``PrefillCost``, ``prefill_groups``), and the row order when requests leave
 (``tail_filled_order``)."""
 
 from __future__ import annotations
