@@ -45,7 +45,8 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """SDPA attention with the query heads of each key/value group folded into the query length (see the module
     docstring). ``query`` [B, H, q, d], ``key`` / ``value`` [B, H_kv, kv, d], ``attention_mask`` a boolean
-    [B, 1, q, kv] mask, or None for one query token (several without a mask go to SDPA); returns [B, q, H, d] as transformers' SDPA does."""
+    [B, 1, q, kv] mask, or None for one query token (several without a mask go to SDPA); returns [B, q, H, d] as
+    transformers' SDPA does."""
     n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     batch, heads, q_length, dim = query.shape
     kv_length = key.shape[2]

@@ -136,7 +136,6 @@ def test_the_realized_gate_judges_offers_with_the_block(tiny_targets, trained_dr
     while open_engine.has_unfinished():
         open_engine.step()
     offered = [bool(n) for n in open_engine.stats.lookups]
-    drafted = [bool(n) for n in open_engine.stats.drafting]
     assert any(offered), "lookup must fire on repeated text for the test to exercise it"
     assert True in recorded  # steps with offers (or blocks) enter the gate's drafting side
 
@@ -153,4 +152,3 @@ def test_the_realized_gate_judges_offers_with_the_block(tiny_targets, trained_dr
         closed.step()
     for prompt, request_id in zip(prompts, ids):
         assert closed.outputs[request_id].token_ids == plain_greedy(target, prompt, 20)
-    assert offered or drafted
