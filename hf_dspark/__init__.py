@@ -28,11 +28,19 @@ DSparkDrafter.register_for_auto_class("AutoModel")
 install_generate_dispatch()
 
 
-def load_default(dtype=None, device="cpu"):
-    """The embedded default: ``(target, tokenizer, drafter)`` for SmolLM2-135M-Instruct."""
+def load_default(dtype=None, device="cpu", optimize="auto"):
+    """The embedded default: ``(target, tokenizer, drafter)`` for SmolLM2-135M-Instruct, the target optimised by
+    ``optimize_target(target, optimize)``."""
     from .defaults import load_default as _load_default
 
-    return _load_default(dtype=dtype, device=device)
+    return _load_default(dtype=dtype, device=device, optimize=optimize)
+
+
+def optimize_target(model, mode="auto"):
+    """Make ``model``'s multi-token CPU forward cheap, in place (see ``hf_dspark.optimization.optimize_target``)."""
+    from .optimization import optimize_target as _optimize_target
+
+    return _optimize_target(model, mode)
 
 
 __all__ = [
@@ -47,5 +55,6 @@ __all__ = [
     "FixedLengthPolicy",
     "VerificationPolicy",
     "load_default",
+    "optimize_target",
     "register_verification_policy",
 ]

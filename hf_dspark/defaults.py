@@ -51,10 +51,15 @@ def load_drafter_for(target, drafter: str | None = None, dtype: torch.dtype | No
     return model, origin
 
 
-def load_default(dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """``(target, tokenizer, drafter)``: SmolLM2-135M-Instruct and the embedded DSpark drafter."""
+def load_default(dtype: torch.dtype | None = None, device: str | torch.device = "cpu", optimize: str = "auto"):
+    """``(target, tokenizer, drafter)``: SmolLM2-135M-Instruct and the embedded DSpark drafter.
+
+    ``optimize`` is :func:`hf_dspark.optimize_target`'s mode for the target (``"auto"``: oneDNN-prepacked linears
+    where they measure faster on this machine); what it did is ``target.hf_dspark_optimization``."""
+    from .optimization import optimize_target
     from .target import load_smollm2
 
     target, tokenizer = load_smollm2(dtype=dtype or torch.float32, device=device)
+    optimize_target(target, optimize)
     drafter, _ = load_drafter_for(target, dtype=target.dtype)
     return target, tokenizer, drafter.to(device)

@@ -488,14 +488,18 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
 
 
 def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: str | None = None,
-                   dtype: torch.dtype = torch.float32, max_new_tokens: int = 128, **launch_kwargs):
+                   dtype: torch.dtype = torch.float32, max_new_tokens: int = 128, optimize_target: str = "auto",
+                   **launch_kwargs):
     """Serve the demo on SmolLM2-135M-Instruct with the embedded drafter (or ``drafter``, a folder); blocks until
-    interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the demo runs offline)."""
+    interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the demo runs offline).
+    ``optimize_target`` is :func:`hf_dspark.optimize_target`'s mode for the target."""
     from .defaults import load_drafter_for
+    from .optimization import optimize_target as optimize
     from .target import load_smollm2
 
     _import_gradio()
     target, tokenizer = load_smollm2(dtype=dtype)
+    optimize(target, optimize_target)
     model, origin = load_drafter_for(target, drafter, dtype=dtype)
     demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
                       title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .attention import packed_attention
+from .optimization import linears_state
 from .scheduling import StepsPerSecond
 from .target import cache_root
 
@@ -35,6 +36,8 @@ def profile_key(model) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        # stock or oneDNN-prepacked linears (hf_dspark.optimization): each prices verification widths differently
+        "linears": linears_state(model),
         # round-robin timing, fastest repeat, monotone fit, context model, packed attention; bump when the
         # measurement changes (old caches are ignored)
         "method": 4,

@@ -9,6 +9,7 @@ from pathlib import Path
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFT_ROUND_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
 from .common import require_prompts, setup_target
 from .policies import POLICY_HELP, generation_policy
@@ -36,6 +37,7 @@ class BenchSettings:
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafters")
     seed: int = HfArg(default=0, help=SEED_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     output: str | None = HfArg(default=None, help="write the JSON report here")
     markdown: str | None = HfArg(default=None, help="also write the report as Markdown tables here")
 

@@ -13,6 +13,7 @@ from transformers.hf_argparser import HfArg
 
 from ..engine.bench import BENCH_PRETOUCH_MIB
 from .arguments import UsageError
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFTER_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DType, require_prompts
 from .common import device as chosen_device
 from .common import setup_target
@@ -62,6 +63,7 @@ class ServeSettings:
                                 metadata={"bounds": (0, 1)})
     seed: int = HfArg(default=0, help=SEED_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     no_warmup: bool = HfArg(default=False, help="skip the short warm-up run of each policy")
     dynamic_allocator: bool = HfArg(default=False, help="leave glibc malloc's thresholds adjusting themselves (by "
                                     "default they are pinned: engines run in one process otherwise read a few "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,6 +28,9 @@ PROMPTS_HELP = ("prompt sources: .jsonl files or folders (one prompt per line), 
 TARGET_HELP = "target model folder or Hub id (default: SmolLM2-135M-Instruct)"
 DRAFTER_HELP = "drafter folder or Hub id (default: the embedded drafter)"
 THREADS_HELP = "torch CPU threads (default: torch's choice)"
+OptimizeMode = Literal["auto", "on", "off"]
+OPTIMIZE_HELP = ("the target's CPU linears on oneDNN-prepacked weights (hf_dspark.optimize_target): auto (where a "
+                 "one-time measurement on this machine finds them faster) | on | off (torch's stock linears)")
 SEED_HELP = "random seed (prompt sampling, sampled decoding)"
 DEFAULT_TARGETS = (None, "smollm2", "SmolLM2-135M-Instruct")
 # settings fields naming a model folder or Hub repo id
@@ -116,9 +120,18 @@ def device(name: str) -> torch.device:
 
 
 def setup_target(settings, dtype_name: str | None = None):
-    """Thread count, dtype and the target (+ tokenizer) for commands that run it."""
+    """Thread count, dtype and the target (+ tokenizer) for commands that run it; commands with
+    ``--optimize-target`` get the target optimised as it says (``target.hf_dspark_optimization`` tells how)."""
     if getattr(settings, "threads", None):
         torch.set_num_threads(settings.threads)
     dtype = DTYPES[dtype_name or settings.dtype]
     target, tokenizer = load_target(settings.target, dtype)
+    mode = getattr(settings, "optimize_target", None)
+    if mode is not None:
+        from ..optimization import optimize_target, verdict_path
+
+        if mode == "auto" and not verdict_path(target).is_file():
+            print("[hf-dspark] timing the target's stock and oneDNN-prepacked linears (once per machine, dtype and "
+                  "thread count; a few seconds)", file=sys.stderr, flush=True)
+        optimize_target(target, mode)
     return target, tokenizer, dtype

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers.hf_argparser import HfArg
 
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DTYPES, THREADS_HELP, DType
 
 HELP = "Gradio demo: plain vs DSpark streaming side by side, drafts per round"
@@ -22,6 +23,7 @@ class DemoSettings:
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
     max_new_tokens: int = HfArg(default=128, help="the UI's initial max new tokens", metadata={"bounds": (1, None)})
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
 
 
 SETTINGS = (DemoSettings,)
@@ -38,6 +40,7 @@ def run(settings: DemoSettings) -> int:
         torch.set_num_threads(settings.threads)
     _, url, _ = launch_default(host=settings.host, port=settings.port, drafter=settings.drafter,
                                dtype=DTYPES[settings.dtype], max_new_tokens=settings.max_new_tokens, quiet=True,
+                               optimize_target=settings.optimize_target,
                                prevent_thread_lock=True)
     print(f"hf-dspark demo: serving on {url} (Ctrl+C stops it)", flush=True)
     while True:  # the server runs in its own thread; Ctrl+C ends the command

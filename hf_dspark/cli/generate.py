@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -11,6 +12,7 @@ import torch
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
 from .common import setup_target
 from .policies import POLICY_HELP, generation_policy
@@ -39,6 +41,7 @@ class GenerateSettings:
                                    "one (as generate(stop_strings=))", metadata={"metavar": "STRING"})
     seed: int = HfArg(default=0, help=SEED_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     json: bool = HfArg(default=False, help="print only a JSON summary on stdout (progress on stderr, the text not "
                                   "streamed)")
 
@@ -65,15 +68,23 @@ def run(settings: GenerateSettings) -> int:
     options = dict(max_new_tokens=settings.max_new_tokens, do_sample=False)
     if settings.stop:
         options.update(stop_strings=list(settings.stop), tokenizer=tokenizer)
-    runs = (("dspark", {"assistant_model": drafter}), ("plain", {}))
-    for _, extra in runs:  # warm-up (first-call costs) outside the timed runs
+    from ..optimization import optimization_report
+
+    optimization = optimization_report(target)
+    # Plain on the stock linears too where the target was optimised: what a user has without this library.
+    runs = [("dspark", {"assistant_model": drafter}), ("plain", {})] + ([("plain_stock", {})] if optimization.applied
+                                                                      else [])
+    for _, extra in runs[:2]:  # warm-up (first-call costs) outside the timed runs
         target.generate(**inputs, **{**options, "max_new_tokens": 4}, **extra)
     _step(f"ready after {time.perf_counter() - started:.0f} s")
     human = sys.stderr if settings.json else sys.stdout
-    print(f"target: {settings.target or 'SmolLM2-135M-Instruct'} ({settings.dtype}); drafter: {origin}; "
-          f"verification policy: {policy}", file=human, flush=True)
+    print(f"target: {settings.target or 'SmolLM2-135M-Instruct'} ({settings.dtype}), {optimization.summary()}; "
+          f"drafter: {origin}; verification policy: {policy}", file=human, flush=True)
     results = _timed_runs(target, tokenizer, inputs, options, runs, stream=not settings.json)
     summary = compare(results, drafter.last_stats, settings.dtype)
+    summary["text"] = tokenizer.decode(results["dspark"]["ids"], skip_special_tokens=True)
+    summary["policy"] = policy
+    summary["target_optimization"] = optimization.to_dict()
     if settings.json:
         print(json.dumps(summary))
     else:
@@ -127,15 +138,20 @@ def _timed_runs(target, tokenizer, inputs, options, runs, stream: bool) -> dict:
     costs microseconds beside a forward)."""
     from transformers import TextStreamer
 
+    from ..optimization import stock_linears
+
     results = {}
     prompt_length = inputs["input_ids"].shape[1]
     for name, extra in runs:
+        if name == "plain_stock":
+            _step("plain greedy generate() on torch's stock linears (the baseline without hf_dspark)")
         streamer = None
         if name == "dspark" and stream:
             print("-" * 60, flush=True)
             streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         start = time.perf_counter()
-        out = target.generate(**inputs, **options, **extra, streamer=streamer)
+        with stock_linears(target) if name == "plain_stock" else contextlib.nullcontext():
+            out = target.generate(**inputs, **options, **extra, streamer=streamer)
         elapsed = time.perf_counter() - start
         if streamer is not None:
             print("-" * 60, flush=True)
@@ -153,6 +169,11 @@ def compare(results: dict, stats, dtype: str) -> dict:
     summary["stats"] = stats.to_dict()
     summary["speedup"] = results["dspark"]["tokens_per_s"] / results["plain"]["tokens_per_s"]
     summary["identical_output"] = results["plain"]["ids"] == results["dspark"]["ids"]
+    if "plain_stock" in results:
+        stock = results["plain_stock"]
+        summary["speedup_vs_stock_plain"] = results["dspark"]["tokens_per_s"] / stock["tokens_per_s"]
+        summary["optimized_plain_vs_stock_plain"] = results["plain"]["tokens_per_s"] / stock["tokens_per_s"]
+        summary["identical_output"] = summary["identical_output"] and stock["ids"] == results["dspark"]["ids"]
     if not summary["identical_output"] and dtype != "float32":
         summary["note"] = ROUNDING_NOTE.format(dtype=dtype)
     return summary
@@ -165,6 +186,13 @@ def summary_lines(summary: dict) -> list[str]:
              f"DSpark greedy: {dspark['tokens']} tokens, {dspark['tokens_per_s']:.1f} tok/s, "
              f"accepted length tau={stats['accepted_length']:.2f} over {stats['rounds']} rounds",
              f"speedup {summary['speedup']:.2f}x (tokens/s); identical output: {summary['identical_output']}"]
+    if "plain_stock" in summary:
+        stock = summary["plain_stock"]
+        lines[1:1] = [f"plain greedy, stock linears: {stock['tokens']} tokens, {stock['tokens_per_s']:.1f} tok/s "
+                      f"(the optimised target's plain: {summary['optimized_plain_vs_stock_plain']:.2f}x)"]
+        lines[-1] = (f"speedup {summary['speedup']:.2f}x over plain on the same target, "
+                     f"{summary['speedup_vs_stock_plain']:.2f}x over plain on stock linears (tokens/s); "
+                     f"identical output: {summary['identical_output']}")
     if "note" in summary:
         lines.append(f"note: {summary['note']}")
     return lines

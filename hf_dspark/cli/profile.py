@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from transformers.hf_argparser import HfArg
 
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import TARGET_HELP, THREADS_HELP, DType, setup_target
 
 HELP = "profile the target's SPS(B) curve: steps per second by verification width (cached per device/dtype/threads)"
@@ -23,6 +24,7 @@ class ProfileSettings:
     repeats: int = HfArg(default=5, help="timed repeats of each width",
                          metadata={"bounds": (1, None)})
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     export: str | None = HfArg(default=None, help="also write the serving-engine SPS JSON here")
 
 

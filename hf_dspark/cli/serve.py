@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
+from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DType, setup_target
 from .policies import engine_method
 
@@ -28,6 +29,7 @@ class ServeSettings:
     model_name: str | None = HfArg(default=None, help="the model name clients send and /v1/models lists (default: "
                                    "the target's folder name)")
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
+    optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
 
 
 SETTINGS = (ServeSettings,)
@@ -54,7 +56,10 @@ def run(settings: ServeSettings) -> int:
     from ..defaults import load_drafter_for
     from ..serving import serve
 
+    from ..optimization import optimization_report
+
     target, tokenizer, dtype = setup_target(settings)
+    print(f"hf-dspark serve: target {optimization_report(target).summary()}", flush=True)
     drafter = None
     if settings.policy != "plain":
         drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
@@ -63,5 +68,5 @@ def run(settings: ServeSettings) -> int:
     print(f"hf-dspark serve: {name} on http://{settings.host}:{settings.port}/v1 (policy {settings.policy}, at most "
           f"{settings.max_concurrency} requests at once)", flush=True)
     serve(target, tokenizer, drafter, name, host=settings.host, port=settings.port, method=settings.policy,
-          max_concurrency=settings.max_concurrency)
+          max_concurrency=settings.max_concurrency, optimize_target=None)
     return 0

@@ -109,6 +109,10 @@ class DSparkEngine:
         if not layout.kinds <= {"full_attention", "sliding_attention"}:
             raise ValueError(f"the batched engine serves full and sliding-window attention layers; this target also "
                              f"has {sorted(layout.kinds - {'full_attention', 'sliding_attention'})} layers")
+        if config.optimize_target is not None:
+            from ..optimization import optimize_target
+
+            optimize_target(target, config.optimize_target)  # before any profile or timing: they key on it
         self.config = config
         self.target = target
         self.device = next(target.parameters()).device

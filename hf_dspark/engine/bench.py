@@ -183,6 +183,7 @@ def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: i
     """An engine for one method (``parse_method``'s keyword arguments, and ``extra`` ones); scheduled ones price their
     budget from ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
     kwargs = {**engine_kwargs, **extra}
+    kwargs.setdefault("optimize_target", None)  # the caller optimised the shared target once (or chose not to)
     if scheduled_method(kwargs["method"]):
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget

@@ -128,6 +128,10 @@ class EngineConfig:
     lookup_max_ngram: under ``"hybrid"``, the longest suffix of a request's tokens that prompt lookup matches
         (``hf_dspark.generation.prompt_lookup``).
     seed: seeds the engine's generator (drafting, acceptance and target sampling).
+    optimize_target: ``hf_dspark.optimize_target``'s mode, applied to the target (in place) when the engine is
+        built: ``"auto"`` (the default: oneDNN-prepacked linears where they measure faster on this machine; a target
+        already optimised is kept as it is), ``"on"``, ``"off"``; None leaves the target exactly as given (several
+        engines sharing one target, as ``bench-serve`` runs them, use None and optimise it once).
     clock: the time source of each request's timestamps (arrival, start, first token, finish: its
         ``RequestOutput.tokens_per_s``). Default ``time.perf_counter``. ``bench_serve(lockstep=True)`` gives each
         of several engines stepped in turn a clock that runs only during its own steps.
@@ -156,10 +160,13 @@ class EngineConfig:
     gate_tokens: str = "progress"
     lookup_max_ngram: int = 4
     seed: int = 0
+    optimize_target: str | None = "auto"
     clock: Callable[[], float] = time.perf_counter
     tokenizer: Any = None
 
     def __post_init__(self):
+        if self.optimize_target not in (None, "auto", "on", "off"):
+            raise ValueError(f"optimize_target must be 'auto', 'on', 'off' or None, got {self.optimize_target!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
         if self.max_concurrency is not None and self.max_concurrency < 1:

@@ -1,0 +1,328 @@
+"""A target whose multi-token forward costs what a one-token forward costs: ``optimize_target(model)``.
+
+Speculative decoding gains the accepted length divided by what a verification forward of width k costs against a
+one-token forward. With torch's stock CPU linears that ratio is far above its physical limit (both forwards stream
+the same weights): the BLAS GEMM that serves several rows costs up to twice the GEMV that serves one. Prepacking the
+weights for oneDNN (:mod:`hf_dspark.onednn`) brings a 2-16 token forward within 1.1-1.4x of one token and makes the
+one-token forward itself faster; ``docs/design.md`` ("Where a verification forward's time goes") has the breakdown
+and ``scripts/forward_cost.py`` measures it on the machine at hand.
+
+``optimize_target`` changes the model in place and keeps it a normal transformers model: every ``nn.Linear`` stays
+an ``nn.Linear`` with the same ``weight`` Parameter (state dicts, tied embeddings, ``save_pretrained`` and PEFT see
+nothing new); its class becomes :class:`PrepackedLinear`, which holds a packed copy of the weight beside it and uses
+it for forwards without autograd on CPU. A weight changed in place or replaced is repacked at its next forward.
+``"auto"`` (what ``load_default`` and the CLI use) measures stock against prepacked forwards of the model at widths 1
+and 8 once per machine, dtype, thread count and model, caches the verdict, and applies the packing only where it is
+faster at both widths. :func:`stock_linears` runs a block on the stock linears (the baseline a user has without this
+library), :func:`restore_target` undoes the change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import onednn
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["auto", "on", "off"]
+MODES = ("auto", "on", "off")
+# The widths whose forwards decide "auto": decoding's one token and a typical verification block.
+DECIDING_WIDTHS = (1, 8)
+DECIDING_CONTEXT = 64
+# Bump when the deciding measurement changes; older cached verdicts are then ignored.
+DECISION_METHOD = 1
+
+
+class PrepackedLinear(nn.Linear):
+    """An ``nn.Linear`` that multiplies by a oneDNN-prepacked copy of its weight when no gradient is needed on CPU.
+
+    The class is swapped onto existing ``nn.Linear`` modules by :func:`optimize_target` (never constructed
+    directly); ``weight`` and ``bias`` stay the module's Parameters. The packed copy is remade when the weight's
+    storage, version counter or dtype no longer match the ones it was packed from."""
+
+    _packed: torch.Tensor | None
+    _packed_from: tuple
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if (x.device.type != "cpu" or x.dtype != weight.dtype or x.numel() == 0 or weight.device.type != "cpu"
+                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+            return F.linear(x, weight, self.bias)
+        if self._packed_from != _stamp(weight):
+            self._repack()
+        out = onednn.linear(x.reshape(-1, x.shape[-1]), self._packed, self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _repack(self) -> None:
+        self._packed = onednn.pack(self.weight)
+        self._packed_from = _stamp(self.weight)
+
+
+def _stamp(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), weight._version, weight.dtype
+
+
+@dataclass
+class TargetOptimization:
+    """What :func:`optimize_target` did, for logs, ``--json`` and benchmark reports."""
+
+    mode: str
+    applied: bool
+    reason: str
+    linears: int = 0
+    packed_bytes: int = 0
+    # Fastest forward seconds per width, stock and prepacked, where "auto" measured (or read its cached verdict).
+    measured: dict = field(default_factory=dict)
+    cached_verdict: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        if not self.applied:
+            return f"stock linears ({self.reason})"
+        ratios = ""
+        if self.measured:
+            ratios = " (" + ", ".join(
+                f"width {w}: {self.measured['prepacked'][w] / self.measured['stock'][w]:.2f}x stock"
+                for w in self.measured["stock"]) + ")"
+        return f"oneDNN-prepacked linears on {self.linears} layers{ratios}"
+
+
+def linears_state(model: nn.Module) -> str:
+    """``"onednn-prepacked"`` when ``model``'s linears run on packed weights, else ``"stock"`` (part of the SPS
+    profile's cache key: a profile measured on one does not price the other)."""
+    return "onednn-prepacked" if any(type(m) is PrepackedLinear for m in model.modules()) else "stock"
+
+
+def _plain_linears(model: nn.Module) -> list[nn.Linear]:
+    # Only exact nn.Linear: subclasses (quantized, LoRA-wrapped, sharded) carry forwards of their own.
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Swap every plain CPU ``nn.Linear`` of ``model`` to :class:`PrepackedLinear`; returns how many. Raises
+    ``RuntimeError`` naming the reason when oneDNN cannot run the model's dtype here."""
+    dtype = next(model.parameters()).dtype
+    reason = onednn.unavailable(dtype)
+    if reason is not None:
+        raise RuntimeError(f"cannot prepack the target's linears: {reason}")
+    count = 0
+    for module in _plain_linears(model):
+        if module.weight.device.type != "cpu" or module.weight.dtype != dtype:
+            continue
+        module.__class__ = PrepackedLinear
+        module._repack()
+        count += 1
+    return count
+
+
+def restore_target(model: nn.Module) -> int:
+    """Undo :func:`optimize_target`: every :class:`PrepackedLinear` becomes a plain ``nn.Linear`` again and drops
+    its packed copy; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is PrepackedLinear:
+            module.__class__ = nn.Linear
+            del module._packed, module._packed_from
+            count += 1
+    return count
+
+
+@contextlib.contextmanager
+def stock_linears(model: nn.Module) -> Iterator[None]:
+    """Run the block with ``model``'s linears on torch's stock path (the packed copies are kept and reused after)."""
+    swapped = [m for m in model.modules() if type(m) is PrepackedLinear]
+    for module in swapped:
+        module.__class__ = nn.Linear
+    try:
+        yield
+    finally:
+        for module in swapped:
+            module.__class__ = PrepackedLinear
+
+
+def _packed_bytes(model: nn.Module) -> int:
+    return sum(m._packed.numel() * m._packed.element_size() for m in model.modules() if type(m) is PrepackedLinear)
+
+
+def optimize_target(model: nn.Module, mode: Mode = "auto", cache_folder=None) -> TargetOptimization:
+    """Make ``model``'s multi-token CPU forward cheap, in place, and say what was done.
+
+    ``mode``: ``"on"`` prepacks wherever oneDNN can run the model's dtype (raises ``RuntimeError`` with the reason
+    where it cannot); ``"off"`` leaves (or puts back) the stock linears; ``"auto"`` prepacks where a measurement of
+    this model on this machine, dtype and thread count found the prepacked forward faster at widths 1 and 8 (the
+    verdict is cached under ``hf_dspark.target.cache_root()/optimization``, so the measurement, a few seconds, runs
+    once). Models on an accelerator are left as they are under ``"auto"``.
+
+    The packed copies cost as much memory as the linear weights (``packed_bytes``); ``restore_target`` frees them.
+    The report is also kept as ``model.hf_dspark_optimization`` (see :func:`optimization_report`).
+    """
+    if mode not in MODES:
+        raise ValueError(f"target optimization mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode != "off" and linears_state(model) != "stock":
+        return optimization_report(model)  # already optimised: repacking would only cost time
+    restore_target(model)
+    report = _optimize(model, mode, cache_folder)
+    model.hf_dspark_optimization = report
+    return report
+
+
+def optimization_report(model: nn.Module) -> TargetOptimization:
+    """What :func:`optimize_target` last did to ``model``; for a model it never saw, its linears' current state."""
+    report = getattr(model, "hf_dspark_optimization", None)
+    if isinstance(report, TargetOptimization) and report.applied == (linears_state(model) != "stock"):
+        return report
+    applied = linears_state(model) != "stock"
+    return TargetOptimization("on" if applied else "off", applied, "set outside optimize_target" if applied
+                              else "optimize_target was not applied")
+
+
+def _optimize(model: nn.Module, mode: str, cache_folder) -> TargetOptimization:
+    if mode == "off":
+        return TargetOptimization(mode, False, "turned off")
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        if mode == "on":
+            raise RuntimeError(f"cannot prepack the target's linears: it is on {parameter.device}, not the CPU")
+        return TargetOptimization(mode, False, f"the target is on {parameter.device.type}")
+    reason = onednn.unavailable(parameter.dtype)
+    if reason is not None:
+        if mode == "on":
+            raise RuntimeError(f"cannot prepack the target's linears: {reason}")
+        return TargetOptimization(mode, False, reason)
+    if not _plain_linears(model):
+        return TargetOptimization(mode, False, "the target has no plain nn.Linear layers")
+    measured, cached = {}, False
+    if mode == "auto":
+        measured, cached = _verdict(model, cache_folder)
+        slower = [w for w in measured["stock"] if measured["prepacked"][w] >= measured["stock"][w]]
+        if slower:
+            return TargetOptimization(mode, False, "prepacked forwards measured slower here at width "
+                                      + ", ".join(map(str, slower)), measured=measured, cached_verdict=cached)
+    count = prepack_linears(model)
+    return TargetOptimization(mode, True, "measured faster" if mode == "auto" else "asked for", count,
+                              _packed_bytes(model), measured, cached)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The "auto" verdict: measured once per machine, dtype, thread count and model, then cached
+# ----------------------------------------------------------------------------------------------------------------
+def cpu_description() -> dict:
+    """The CPU's model name and a digest of its feature flags (from /proc/cpuinfo where there is one)."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = value.strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": name, "cpu_flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]}
+
+
+def verdict_key(model: nn.Module) -> dict:
+    shapes = sorted({tuple(m.weight.shape) for m in _plain_linears(model)})
+    return {
+        **cpu_description(),
+        "model": str(getattr(model.config, "_name_or_path", "") or model.config.model_type),
+        "architecture": type(model).__name__,
+        "linear_shapes": hashlib.sha1(repr(shapes).encode()).hexdigest()[:12],
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "method": DECISION_METHOD,
+    }
+
+
+def verdict_path(model: nn.Module, folder=None):
+    from pathlib import Path
+
+    from .target import cache_root
+
+    digest = hashlib.sha1(json.dumps(verdict_key(model), sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder or cache_root() / "optimization") / f"verdict-{digest}.json"
+
+
+def _verdict(model: nn.Module, folder=None) -> tuple[dict, bool]:
+    path = verdict_path(model, folder)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return {k: {int(w): s for w, s in v.items()} for k, v in data["measured"].items()}, True
+    logger.info("timing the target's stock and prepacked forwards once (a few seconds; cached)")
+    measured = measure_forwards(model)
+    payload = {"key": verdict_key(model), "measured": measured, "created": time.time(),
+               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    return measured, False
+
+
+def measure_forwards(model: nn.Module, widths=DECIDING_WIDTHS, context: int = DECIDING_CONTEXT,
+                     repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Fastest seconds of ``model``'s forward at each width over a ``context``-token cache, on stock and on
+    prepacked linears, alternating the two (and the widths) every repeat so that drift in the machine's load hits
+    both alike; one warm-up round first. The model is left on stock linears."""
+    from transformers import DynamicCache
+
+    from .attention import packed_attention
+
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, context), generator=generator)
+    steps = {w: torch.randint(0, vocab, (1, w), generator=generator) for w in widths}
+    times: dict[str, dict[int, list[float]]] = {"stock": {w: [] for w in widths}, "prepacked": {w: [] for w in widths}}
+    prepack_linears(model)
+    try:
+        with torch.inference_mode(), packed_attention(model):
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            for r in range(repeats + 1):
+                for variant in ("stock", "prepacked"):
+                    context_manager = stock_linears(model) if variant == "stock" else contextlib.nullcontext()
+                    with context_manager:
+                        for w in widths:
+                            positions = torch.arange(context, context + w).unsqueeze(0)
+                            started = time.perf_counter()
+                            model(input_ids=steps[w], cache=cache, position_ids=positions, use_cache=True)
+                            elapsed = time.perf_counter() - started
+                            cache.crop(-w)
+                            if r:
+                                times[variant][w].append(elapsed)
+    finally:
+        restore_target(model)
+    return {variant: {w: min(t) for w, t in per_width.items()} for variant, per_width in times.items()}
+
+
+__all__ = [
+    "MODES",
+    "PrepackedLinear",
+    "TargetOptimization",
+    "linears_state",
+    "measure_forwards",
+    "optimization_report",
+    "optimize_target",
+    "prepack_linears",
+    "restore_target",
+    "stock_linears",
+]
