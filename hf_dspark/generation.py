@@ -675,11 +675,24 @@ def _dspark_assisted_decoding(self, input_ids, logits_processor, stopping_criter
     """transformers' assisted decoding; with a DSpark drafter its target forwards run under ``packed_attention``
     (a verification forward reads a grouped-query cache in place instead of copying it per query head)."""
     original = _original(GenerationMixin, "_assisted_decoding")
-    switch = packed_attention(self) if is_dspark_drafter(assistant_model) else contextlib.nullcontext()
-    with switch:
-        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                        synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
-                        assistant_model=assistant_model, **kwargs)
+    dspark = is_dspark_drafter(assistant_model)
+    with packed_attention(self) if dspark else contextlib.nullcontext():
+        out = original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                       synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+                       assistant_model=assistant_model, **kwargs)
+    if (dspark and getattr(assistant_model.generation_config, "sps_profile", None) is None
+            and getattr(assistant_model, "last_stats", None) is not None):
+        _check_cached_profile(self, assistant_model.last_stats, input_ids.shape[1])
+    return out
+
+
+def _check_cached_profile(target, stats, prompt_length: int) -> None:
+    """Let the cached SPS profile learn that this call's rounds contradict it (re-measured at its next use)."""
+    try:
+        from hf_dspark.profiling import check_against_rounds
+    except ImportError:  # the custom_generate route without hf_dspark installed: no cached profile
+        return
+    check_against_rounds(target, stats, prompt_length)
 
 
 def _dspark_get_stopping_criteria(self, *args, **kwargs):

@@ -209,7 +209,11 @@ def _optimize(model: nn.Module, mode: str, cache_folder) -> TargetOptimization:
         return TargetOptimization(mode, False, "the target has no plain nn.Linear layers")
     measured, cached = {}, False
     if mode == "auto":
-        measured, cached = _verdict(model, cache_folder)
+        try:
+            measured, cached = _verdict(model, cache_folder)
+        except Exception as err:  # a model whose forward this measurement cannot drive keeps its stock linears
+            logger.warning("could not time the target's forwards (%s): keeping its stock linears", err)
+            return TargetOptimization(mode, False, f"could not time its forwards: {err}")
         slower = [w for w in measured["stock"] if measured["prepacked"][w] >= measured["stock"][w]]
         if slower:
             return TargetOptimization(mode, False, "prepacked forwards measured slower here at width "
@@ -297,6 +301,7 @@ def measure_forwards(model: nn.Module, widths=DECIDING_WIDTHS, context: int = DE
         with torch.inference_mode(), packed_attention(model):
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            cache.activate_past_recording()  # sliding-window layers keep what each timed forward adds, so it crops back
             for r in range(repeats + 1):
                 for variant in ("stock", "prepacked"):
                     context_manager = stock_linears(model) if variant == "stock" else contextlib.nullcontext()

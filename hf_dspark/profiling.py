@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .attention import packed_attention
+from .machine_load import BUSY_SHARE, OthersLoad, others_load_now
 from .optimization import linears_state
 from .scheduling import StepsPerSecond
 from .target import cache_root
@@ -164,24 +166,89 @@ def profile_path(model, folder: Path | None = None) -> Path:
 
 
 def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, time_budget_s: float = 60.0,
-                    repeats: int = 5, context_lengths: list[int] = PROFILE_CONTEXTS) -> StepsPerSecond:
-    """The cached profile for this model/device/dtype/threads covering ``max_batch_tokens``; profiles if absent."""
+                    repeats: int = 5, context_lengths: list[int] = PROFILE_CONTEXTS,
+                    remeasure: bool = False) -> StepsPerSecond:
+    """The cached profile for this model/device/dtype/threads covering ``max_batch_tokens``; profiles if absent, if
+    ``remeasure``, or if the cached one is stale (``stale_reason``)."""
     path = profile_path(model, folder)
-    if path.is_file():
+    if path.is_file() and not remeasure:
         data = json.loads(path.read_text())
         sps = StepsPerSecond.from_dict(data["profile"])
-        if sps.max_batch_tokens >= max_batch_tokens:
+        stale = stale_reason(data)
+        if stale is None and sps.max_batch_tokens >= max_batch_tokens:
             return sps
+        if stale is not None:
+            logger.warning("re-measuring the cached SPS profile %s: %s", path.name, stale)
     batch_tokens = sorted(set([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]) & set(
         range(1, max_batch_tokens + 1)) | {max_batch_tokens})
-    sps, raw = measure_steps_per_second(model, batch_tokens, list(context_lengths), repeats, time_budget_s)
+    with OthersLoad() as load:
+        sps, raw = measure_steps_per_second(model, batch_tokens, list(context_lengths), repeats, time_budget_s)
+    if load.busy:
+        logger.warning("the SPS profile was measured while other processes used %.0f%% of the CPUs, so it prices "
+                       "rounds as a busy machine runs them; it is re-measured once the machine is quiet "
+                       "(`hf-dspark profile --remeasure` does it at once)", 100 * load.share)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"key": profile_key(model), "profile": sps.to_dict(), "raw_seconds": raw,
-               "context_lengths": list(context_lengths), "repeats": repeats, "created": time.time()}
-    tmp = path.with_suffix(".tmp")
+               "context_lengths": list(context_lengths), "repeats": repeats, "created": time.time(),
+               "others_load": load.share, "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    _write_json(path, payload)
+    return sps
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)
-    return sps
+
+
+# A cached profile whose rounds ran this many times faster or slower than it predicts is re-measured.
+CONTRADICTION = 1.6
+# Rounds a generate() call needs before its timings can contradict the profile.
+MIN_CHECKED_ROUNDS = 8
+
+
+def stale_reason(data: dict) -> str | None:
+    """Why a cached profile must be measured again, or None: measured rounds contradicted it
+    (``check_against_rounds``), or it was measured on a busy machine and the machine is quiet now."""
+    contradicted = data.get("contradicted")
+    if contradicted:
+        return (f"{contradicted['rounds']} generate() rounds ran at {contradicted['ratio']:.2f}x the time it "
+                f"predicts")
+    share = data.get("others_load")
+    if share is not None and share > BUSY_SHARE:
+        now = others_load_now()
+        if now is not None and now <= BUSY_SHARE / 2:
+            return (f"it was measured while other processes used {100 * share:.0f}% of the CPUs, and they use "
+                    f"{100 * now:.0f}% now")
+    return None
+
+
+def check_against_rounds(model, stats, prompt_length: int, folder: Path | None = None) -> float | None:
+    """Compare a generate() call's verification times (``stats``: ``DSparkStats``) with what the model's cached
+    profile predicts for each round's width at its context; returns the median ratio measured / predicted (None
+    without a cached profile, CPU clock stamps or ``MIN_CHECKED_ROUNDS`` rounds). A ratio past ``CONTRADICTION``
+    either way marks the cached profile contradicted, so the next ``load_or_profile`` measures it again."""
+    path = profile_path(model, folder)
+    stamps = stats.stamps
+    if not path.is_file() or len(stamps) < MIN_CHECKED_ROUNDS or not isinstance(stamps[0][1], float):
+        return None
+    data = json.loads(path.read_text())
+    sps = StepsPerSecond.from_dict(data["profile"])
+    ratios, context = [], prompt_length
+    for stamp, verified, accepted in zip(stamps, stats.verified, stats.accepted):
+        width = verified + 1
+        if width <= sps.max_batch_tokens:
+            ratios.append((stamp[2] - stamp[1]) * sps.at_context(context)(width))
+        context += accepted + 1
+    if len(ratios) < MIN_CHECKED_ROUNDS:
+        return None
+    ratio = statistics.median(ratios)
+    if (ratio > CONTRADICTION or ratio < 1 / CONTRADICTION) and not data.get("contradicted"):
+        logger.warning("generate()'s rounds ran at %.2fx the time the cached SPS profile %s predicts; it is "
+                       "re-measured at its next use", ratio, path.name)
+        data["contradicted"] = {"ratio": ratio, "rounds": len(ratios), "at": time.time()}
+        _write_json(path, data)
+    return ratio
 
 
 # ------------------------------------------------------------------------------------------------------------------

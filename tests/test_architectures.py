@@ -43,6 +43,28 @@ def test_generate_greedy_equals_plain(pair, policy):
     assert drafter.last_stats.rounds > 0
 
 
+@pytest.mark.parametrize("policy", ["fixed", "hybrid"])
+def test_optimised_target_greedy_equals_stock_plain(pair, policy):
+    """With the target's linears prepacked (hf_dspark.optimize_target), generate() and the engine still give plain
+    greedy generate()'s output on the stock target."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from hf_dspark.optimization import optimize_target, restore_target
+    from hf_dspark.profiling import BatchedStepsPerSecond
+
+    _, target, drafter, prompt, plain = pair
+    _with_policy(drafter, policy)
+    assert optimize_target(target, "on").applied
+    try:
+        out = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, plain)
+        batch = generate_batch(target, [prompt[0]], drafter, SamplingParams(max_new_tokens=NEW_TOKENS),
+                               method="fixed" if policy == "fixed" else "scheduled",
+                               sps=BatchedStepsPerSecond({1: SPS}), optimize_target=None)
+        assert batch.outputs[0].token_ids == plain[0, prompt.shape[1]:].tolist()
+    finally:
+        restore_target(target)
+
+
 def test_generate_sampling_runs(pair):
     _, target, drafter, prompt, _ = pair
     _with_policy(drafter, "fixed")

@@ -151,9 +151,9 @@ class FakeStats:
         return {"accepted_length": 2.5, "rounds": 4}
 
 
-class FakeModel:
-    """Stands in for the target (``generate``) and the drafter (``last_stats``): 10 new tokens with a drafter,
-    8 without, the texts different."""
+class FakeModel(torch.nn.Module):
+    """Stands in for the target (``generate``; no linears, so no optimisation) and the drafter (``last_stats``): 10
+    new tokens with a drafter, 8 without, the texts different."""
 
     last_stats = FakeStats()
 
@@ -165,6 +165,9 @@ class FakeModel:
 class FakeTokenizer:
     def apply_chat_template(self, *args, **kwargs):
         return {"input_ids": torch.tensor([[5, 6, 7]])}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(map(str, ids))
 
 
 def test_generate_json_prints_only_json_on_stdout(capsys, monkeypatch):
@@ -180,6 +183,8 @@ def test_generate_json_prints_only_json_on_stdout(capsys, monkeypatch):
     ratio = summary["dspark"]["tokens_per_s"] / summary["plain"]["tokens_per_s"]
     assert summary["speedup"] == pytest.approx(ratio)  # per token: runs of different lengths compare fairly
     assert not summary["identical_output"] and "near-tied logits" in summary["note"]
+    assert summary["text"] == " ".join(["1"] * 10) and summary["policy"] == "fixed"
+    assert summary["target_optimization"]["applied"] is False and "plain_stock" not in summary
 
 
 def test_generate_explains_a_bf16_difference_where_it_prints_it(capsys, monkeypatch):

@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
 LAYERS = {
     "model": ["configuration_dspark", "modeling_dspark", "draft_sampling", "static_round", "drafter_files", "drafting",
               "gate", "scheduling", "attention", "kernels"],
-    "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator"],
+    "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator", "onednn",
+                   "optimization", "machine_load"],
     "engine": ["engine"],
     "jobs": ["training", "calibration", "evaluation", "hub", "export", "demo", "serving"],
     "cli": ["cli"],

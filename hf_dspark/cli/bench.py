@@ -90,7 +90,10 @@ def run(settings: BenchSettings) -> int:
     report = run_rollouts(target, tokenizer, None, settings.prompts, methods, num_prompts=settings.num_prompts,
                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                           seed=settings.seed, multi_turn=not settings.first_turn_only)
-    payload = {"settings": asdict(settings), "results": {"drafters": origins, "report": report}}
+    from ..optimization import optimization_report
+
+    payload = {"settings": asdict(settings), "results": {"drafters": origins, "report": report,
+                                                         "target_optimization": optimization_report(target).to_dict()}}
     _write(settings, payload)
     for label, origin in origins.items():
         print(f"{label}: {origin}")
@@ -100,10 +103,13 @@ def run(settings: BenchSettings) -> int:
 
 
 def _methods(settings: BenchSettings, target, dtype) -> tuple[dict, dict]:
-    """plain, one method per (drafter, policy), and prompt lookup when asked; the drafters' origins by label."""
+    """plain (first plain on the stock linears, the baseline, where the target was optimised), one method per
+    (drafter, policy), and prompt lookup when asked; the drafters' origins by label."""
     from ..defaults import load_drafter_for
+    from ..optimization import optimization_report
 
-    methods = {"plain": {"assistant": False}}
+    methods = {"plain_stock": {"assistant": False, "stock_linears": True}} if optimization_report(target).applied else {}
+    methods["plain"] = {"assistant": False}
     specs = settings.drafter or [None]
     origins = {}
     for index, spec in enumerate(specs):

@@ -25,6 +25,8 @@ class ProfileSettings:
                          metadata={"bounds": (1, None)})
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
     optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
+    remeasure: bool = HfArg(default=False, help="measure again even where a cached profile exists (one measured on a "
+                            "busy machine, or one that generate()'s rounds contradicted, is re-measured anyway)")
     export: str | None = HfArg(default=None, help="also write the serving-engine SPS JSON here")
 
 
@@ -36,8 +38,11 @@ def run(settings: ProfileSettings) -> int:
 
     target, _, _ = setup_target(settings)
     sps = load_or_profile(target, settings.max_batch_tokens, time_budget_s=settings.time_budget_s,
-                          repeats=settings.repeats)
-    print(json.dumps({"cache": str(profile_path(target)), **sps.to_dict()}))
+                          repeats=settings.repeats, remeasure=settings.remeasure)
+    path = profile_path(target)
+    cached = json.loads(path.read_text())
+    print(json.dumps({"cache": str(path), "linears": cached["key"]["linears"],
+                      "others_load": cached.get("others_load"), **sps.to_dict()}))
     if settings.export:
         export_sps(sps, settings.export)
     return 0

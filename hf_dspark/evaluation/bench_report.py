@@ -47,8 +47,12 @@ def render_bench_markdown(payload: dict, environment: dict) -> str:
         f"threads); CUDA: {environment.get('cuda')}; torch {environment.get('torch')}, transformers "
         f"{environment.get('transformers')}; run {environment.get('date')}",
         *([f"- Drafters: {'; '.join(f'{label}: `{origin}`' for label, origin in drafters.items())}"] if drafters else []),
-        "- Each cell: tokens/s over plain `generate()` on the same prompts in the same run (methods interleaved prompt "
-        "by prompt), then tau (tokens per target forward) and how many outputs equal plain greedy's.",
+        "- Each cell: tokens/s over the first column's plain `generate()` on the same prompts in the same run (methods "
+        "interleaved prompt by prompt), then tau (tokens per target forward) and how many outputs equal its greedy "
+        "output." + (" `plain_stock` is plain on torch's stock linears (what a user has without this library); "
+                     "`plain` and every other method run on the optimised target (`hf_dspark.optimize_target`: "
+                     f"{payload['results']['target_optimization']['reason']})."
+                     if methods[0] == "plain_stock" else ""),
         "",
         "| set | " + " | ".join(methods) + " |",
         "|---" * (len(methods) + 1) + "|",
@@ -70,6 +74,10 @@ def render_bench_markdown(payload: dict, environment: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     means = [_geomean([report[g][m]["speedup"] for g in sets if m in report[g]]) for m in methods]
     lines.append("| geometric mean over sets | " + " | ".join("-" if v is None else f"{v:.2f}x" for v in means) + " |")
+    if methods[0] == "plain_stock" and "plain" in methods:  # speculation alone: over plain on the same target
+        alone = [_geomean([report[g][m]["speedup_vs_plain"] for g in sets if m in report[g]]) for m in methods]
+        lines.append("| geometric mean over plain on the optimised target | "
+                     + " | ".join("-" if v is None else f"{v:.2f}x" for v in alone) + " |")
     drafting = [m for m in methods if "sources" in report.get("all", {}).get(m, {})]
     if drafting:
         lines += ["", "## Where the drafting methods' rounds and seconds went", "",

@@ -132,7 +132,10 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
     Multi-turn records feed each method its OWN previous answers. ``methods`` maps a name to its settings:
     ``{"assistant": True, "verification_policy": "fixed", ...}`` runs DSpark with those drafter generation settings
     (``"drafter": obj`` picks another drafter than ``drafter``); ``{"assistant": False}`` is plain ``generate()``;
-    ``{"prompt_lookup": 7}`` transformers' prompt-lookup decoding."""
+    ``{"prompt_lookup": 7}`` transformers' prompt-lookup decoding. ``"stock_linears": True`` runs a method on the
+    target's stock linears where ``hf_dspark.optimize_target`` prepacked them (the baseline without this library)."""
+    from ..optimization import stock_linears
+
     sample = temperature > 0
     turns = record["turns"] if multi_turn else record["turns"][:1]
     histories = {name: [] for name in methods}
@@ -148,7 +151,7 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
                 kwargs.update(temperature=temperature, top_p=None, top_k=None)
             method_drafter = settings.get("drafter", drafter)
             overrides = {k: v for k, v in settings.items() if k in GENERATION_SETTINGS}
-            unknown = set(settings) - set(GENERATION_SETTINGS) - {"assistant", "drafter", "prompt_lookup"}
+            unknown = set(settings) - set(GENERATION_SETTINGS) - {"assistant", "drafter", "prompt_lookup", "stock_linears"}
             if unknown:
                 raise ValueError(f"method {name!r}: unknown settings {sorted(unknown)}")
             if settings.get("assistant"):
@@ -158,7 +161,7 @@ def rollout_record(target, tokenizer, record: dict, methods: dict[str, dict], dr
             elif settings.get("prompt_lookup"):
                 kwargs["prompt_lookup_num_tokens"] = settings["prompt_lookup"]
             context = drafter_settings(method_drafter, overrides) if settings.get("assistant") else contextlib.nullcontext()
-            with context:
+            with context, stock_linears(target) if settings.get("stock_linears") else contextlib.nullcontext():
                 torch.manual_seed(seed * 100_003 + turn_index)
                 start = time.perf_counter()
                 out = target.generate(**inputs, **kwargs)
@@ -228,12 +231,14 @@ def batched_rollouts(target, tokenizer, records: list[dict], methods: dict[str, 
 
 
 def summarise(per_method: dict[str, MethodResult], baseline: str | None = None) -> dict[str, dict]:
-    """Summaries per method; with a baseline, each gets ``speedup`` = its tokens/s over the baseline's."""
+    """Summaries per method; with a baseline, each gets ``speedup`` = its tokens/s over the baseline's, and where
+    the baseline is another method than ``plain`` (plain on stock linears), ``speedup_vs_plain`` over ``plain``'s."""
     out = {name: r.summary() for name, r in per_method.items()}
-    if baseline is not None and baseline in out:
-        base = out[baseline]["tokens_per_s"]
-        for name in out:
-            out[name]["speedup"] = out[name]["tokens_per_s"] / base if base else None
+    for reference, key in ((baseline, "speedup"), ("plain" if baseline != "plain" else None, "speedup_vs_plain")):
+        if reference is not None and reference in out:
+            base = out[reference]["tokens_per_s"]
+            for name in out:
+                out[name][key] = out[name]["tokens_per_s"] / base if base else None
     return out
 
 

@@ -1,0 +1,197 @@
+"""``optimize_target``: oneDNN-prepacked linears computing what the stock linears compute, kept in step with their
+weights, applied by mode and by a cached measured verdict, and lossless end to end on the real target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hf_dspark
+from hf_dspark import onednn
+from hf_dspark.optimization import (
+    PrepackedLinear,
+    TargetOptimization,
+    linears_state,
+    optimization_report,
+    optimize_target,
+    restore_target,
+    stock_linears,
+    verdict_path,
+)
+from tests.architectures import VOCAB, make_family_target
+from tests.helpers import require_smollm2
+
+
+def test_the_private_ops_keep_the_schemas_this_package_calls():
+    """Fails loudly when torch renames or reshapes the two oneDNN ops (hf_dspark.onednn then keeps stock linears)."""
+    found = onednn.schemas()
+    assert found["_reorder_linear_weight"] == onednn.REORDER_SCHEMA
+    assert found["_linear_pointwise"] == onednn.LINEAR_SCHEMA
+    assert onednn.unavailable(torch.float32) is None
+
+
+def test_unsupported_dtypes_are_named():
+    assert "float64" in onednn.unavailable(torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_prepacked_linear_computes_the_stock_linear(dtype, bias):
+    if onednn.unavailable(dtype):
+        pytest.skip(onednn.unavailable(dtype))
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 40, bias=bias).to(dtype)
+    packed = nn.Sequential(nn.Linear(48, 40, bias=bias).to(dtype))
+    packed[0].load_state_dict(layer.state_dict())
+    assert optimize_target(_as_model(packed), "on").linears == 1
+    assert type(packed[0]) is PrepackedLinear and isinstance(packed[0], nn.Linear)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for shape in [(48,), (1, 48), (7, 48), (2, 5, 48), (2, 0, 48)]:
+            x = torch.randn(shape).to(dtype)
+            torch.testing.assert_close(packed[0](x), layer(x), atol=tolerance, rtol=tolerance)
+
+
+def _as_model(module: nn.Module) -> nn.Module:
+    """A bare module dressed with the ``config`` optimize_target reads (only "auto" uses it)."""
+    module.config = type("Config", (), {"model_type": "bare", "_name_or_path": ""})()
+    return module
+
+
+def test_a_weight_changed_or_replaced_is_repacked():
+    torch.manual_seed(0)
+    model = _as_model(nn.Sequential(nn.Linear(16, 8)))
+    optimize_target(model, "on")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # in place
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+        model[0].load_state_dict({"weight": torch.randn(8, 16), "bias": torch.zeros(8)})
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+    model[0].weight = nn.Parameter(torch.randn(8, 16))  # replaced
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
+
+
+def test_gradients_take_the_stock_path():
+    torch.manual_seed(0)
+    model = _as_model(nn.Sequential(nn.Linear(16, 8)))
+    reference = nn.Linear(16, 8)
+    reference.load_state_dict(model[0].state_dict())
+    optimize_target(model, "on")
+    x = torch.randn(4, 16)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, reference.weight.grad)
+
+
+def test_state_dict_ties_and_save_pretrained_are_unchanged(tmp_path):
+    target = make_family_target("gemma")  # tied embeddings
+    keys = list(target.state_dict())
+    report = optimize_target(target, "on")
+    assert report.applied and report.linears > 0 and report.packed_bytes > 0
+    assert list(target.state_dict()) == keys
+    assert target.lm_head.weight is target.get_input_embeddings().weight
+    assert linears_state(target) == "onednn-prepacked"
+    target.save_pretrained(tmp_path)
+    reloaded = type(target).from_pretrained(tmp_path).eval()
+    assert linears_state(reloaded) == "stock"
+    prompt = torch.randint(2, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        torch.testing.assert_close(target(prompt).logits, reloaded(prompt).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_modes_off_on_and_the_stock_context():
+    target = make_family_target("llama")
+    assert optimize_target(target, "on").applied
+    assert optimize_target(target, "on") is optimization_report(target)  # kept, not repacked
+    with stock_linears(target):
+        assert linears_state(target) == "stock"
+    assert linears_state(target) == "onednn-prepacked"
+    off = optimize_target(target, "off")
+    assert not off.applied and linears_state(target) == "stock"
+    assert restore_target(target) == 0
+    with pytest.raises(ValueError, match="expected one of auto, on, off"):
+        optimize_target(target, "fast")
+
+
+def test_auto_measures_once_then_reads_its_cached_verdict(tmp_path):
+    target = make_family_target("qwen2")
+    first = optimize_target(target, "auto", cache_folder=tmp_path)
+    assert not first.cached_verdict and set(first.measured) == {"stock", "prepacked"}
+    assert set(first.measured["stock"]) == {1, 8} and all(s > 0 for s in first.measured["stock"].values())
+    assert first.applied == all(first.measured["prepacked"][w] < first.measured["stock"][w] for w in (1, 8))
+    saved = json.loads(verdict_path(target, tmp_path).read_text())
+    assert saved["key"]["dtype"] == "float32" and "cpu" in saved["key"]
+    restore_target(target)
+    second = optimize_target(target, "auto", cache_folder=tmp_path)
+    assert second.cached_verdict and second.measured == first.measured
+
+
+def test_auto_keeps_stock_linears_where_prepacked_measured_slower(tmp_path):
+    target = make_family_target("llama")
+    path = verdict_path(target, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"measured": {"stock": {"1": 0.010, "8": 0.020},
+                                             "prepacked": {"1": 0.009, "8": 0.021}}}))
+    report = optimize_target(target, "auto", cache_folder=tmp_path)
+    assert not report.applied and "slower here at width 8" in report.reason
+    assert linears_state(target) == "stock"
+
+
+def test_the_sps_profile_key_names_the_linears():
+    from hf_dspark.profiling import profile_key
+
+    target = make_family_target("llama")
+    stock = profile_key(target)
+    optimize_target(target, "on")
+    assert stock["linears"] == "stock" and profile_key(target)["linears"] == "onednn-prepacked"
+
+
+def test_report_summary_and_dict():
+    report = TargetOptimization("auto", True, "measured faster", 3, 10,
+                                {"stock": {1: 0.02, 8: 0.04}, "prepacked": {1: 0.01, 8: 0.01}})
+    assert "width 8: 0.25x stock" in report.summary()
+    assert json.loads(json.dumps(report.to_dict()))["linears"] == 3
+
+
+def test_the_engine_optimises_by_default_and_leaves_a_target_alone_with_none():
+    from hf_dspark.engine import DSparkEngine
+
+    target = make_family_target("llama")
+    DSparkEngine(target, None, method="plain", optimize_target="on")
+    assert linears_state(target) == "onednn-prepacked"
+    DSparkEngine(target, None, method="plain", optimize_target=None)
+    assert linears_state(target) == "onednn-prepacked"
+    with pytest.raises(ValueError, match="optimize_target"):
+        DSparkEngine(target, None, method="plain", optimize_target="yes")
+
+
+@pytest.mark.slow
+def test_smollm2_optimised_dspark_equals_stock_plain_on_the_bundled_prompts():
+    """float32: DSpark-assisted greedy output on the prepacked target equals plain greedy generate() on the stock
+    target, prompt for prompt."""
+    require_smollm2()
+    from hf_dspark.prompts import load_prompts
+
+    target, tokenizer, drafter = hf_dspark.load_default(optimize="off")
+    prompts = [record["turns"][0] for record in load_prompts(["bundled"])[::8]]  # one per set
+    assert len(prompts) == 4
+    plains = []
+    for prompt in prompts:
+        inputs = _chat(tokenizer, prompt)
+        plains.append(target.generate(**inputs, max_new_tokens=24, do_sample=False))
+    assert optimize_target(target, "on").applied
+    drafter.generation_config.verification_policy = "fixed"  # the whole block verified every round
+    for prompt, plain in zip(prompts, plains):
+        out = target.generate(**_chat(tokenizer, prompt), max_new_tokens=24, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, plain), prompt
+
+
+def _chat(tokenizer, text: str):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
