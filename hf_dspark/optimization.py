@@ -10,7 +10,9 @@ and ``scripts/forward_cost.py`` measures it on the machine at hand.
 ``optimize_target`` changes the model in place and keeps it a normal transformers model: every ``nn.Linear`` stays
 an ``nn.Linear`` with the same ``weight`` Parameter (state dicts, tied embeddings, ``save_pretrained`` and PEFT see
 nothing new); its class becomes :class:`PrepackedLinear`, which holds a packed copy of the weight beside it and uses
-it for forwards without autograd on CPU. A weight changed in place or replaced is repacked at its next forward.
+it for forwards without autograd on CPU. Projections that read the same input (q/k/v, gate/up) are multiplied in
+one call over their concatenated packed weights (:class:`SharedInputGroup`). A weight changed in place or replaced
+is repacked at its next forward.
 ``"auto"`` (what ``load_default`` and the CLI use) measures stock against prepacked forwards of the model at widths 1
 and 8 once per machine, dtype, thread count and model, caches the verdict, and applies the packing only where it is
 faster at both widths. :func:`stock_linears` runs a block on the stock linears (the baseline a user has without this
@@ -44,36 +46,97 @@ MODES = ("auto", "on", "off")
 DECIDING_WIDTHS = (1, 8)
 DECIDING_CONTEXT = 64
 # Bump when the deciding measurement changes; older cached verdicts are then ignored.
-DECISION_METHOD = 1
+DECISION_METHOD = 2
+
+
+# Sibling projections that read the same input, by the names transformers' model files give them: multiplied in
+# one oneDNN call over their concatenated weights (one call's fixed cost instead of three, and one longer stream).
+SHARED_INPUT_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class PrepackedLinear(nn.Linear):
     """An ``nn.Linear`` that multiplies by a oneDNN-prepacked copy of its weight when no gradient is needed on CPU.
 
     The class is swapped onto existing ``nn.Linear`` modules by :func:`optimize_target` (never constructed
-    directly); ``weight`` and ``bias`` stay the module's Parameters. The packed copy is remade when the weight's
-    storage, version counter or dtype no longer match the ones it was packed from."""
+    directly); ``weight`` and ``bias`` stay the module's Parameters. The packed copy is made at the first forward
+    that needs it and remade when the weight's storage, version counter or dtype no longer match the ones it was
+    packed from. A member of a :class:`SharedInputGroup` takes its output from the group's one multiplication."""
 
     _packed: torch.Tensor | None
-    _packed_from: tuple
+    _packed_from: tuple | None
+    _shared: "SharedInputGroup | None"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.device.type != "cpu" or x.dtype != weight.dtype or x.numel() == 0 or weight.device.type != "cpu"
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
             return F.linear(x, weight, self.bias)
+        if self._shared is not None:
+            return self._shared.output_for(self, x)
         if self._packed_from != _stamp(weight):
-            self._repack()
+            self._packed, self._packed_from = onednn.pack(weight), _stamp(weight)
         out = onednn.linear(x.reshape(-1, x.shape[-1]), self._packed, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
-    def _repack(self) -> None:
-        self._packed = onednn.pack(self.weight)
-        self._packed_from = _stamp(self.weight)
+
+class SharedInputGroup:
+    """Linears that a block calls on the same input tensor (an attention's q/k/v projections, an MLP's gate and up
+    projections), computed together: the first member called with an input multiplies it by all the members'
+    concatenated packed weights and keeps each member's columns until that member asks for them (then drops them,
+    so no activation outlives its forward). A member called with another tensor, or twice with one, starts a new
+    product: the output is always the member's own ``x @ W.T + b``, column for column what its own linear gives."""
+
+    def __init__(self, members: list[PrepackedLinear]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self.packed: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.packed_from: tuple | None = None
+        self._input: torch.Tensor | None = None
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def _stamp(self) -> tuple:
+        return tuple(_stamp(p) for m in self.members for p in (m.weight, m.bias) if p is not None)
+
+    def output_for(self, member: PrepackedLinear, x: torch.Tensor) -> torch.Tensor:
+        index = self.members.index(member)
+        if self._input is not x or index not in self._outputs or self._input_version != _version(x):
+            if self.packed_from != self._stamp():
+                self.packed = onednn.pack(torch.cat([m.weight.detach() for m in self.members]))
+                has_bias = self.members[0].bias is not None
+                self.bias = torch.cat([m.bias.detach() for m in self.members]) if has_bias else None
+                self.packed_from = self._stamp()
+            out = onednn.linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
+            columns = out.split(self.sizes, dim=-1)
+            self._outputs = {i: c.reshape(*x.shape[:-1], c.shape[-1]) for i, c in enumerate(columns)}
+            self._input, self._input_version = x, _version(x)
+        output = self._outputs.pop(index)
+        if not self._outputs:
+            self._input = None
+        return output
+
+    def packed_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; inference tensors keep none (0)."""
+    return 0 if tensor.is_inference() else tensor._version
 
 
 def _stamp(weight: torch.Tensor) -> tuple:
-    return weight.data_ptr(), weight._version, weight.dtype
+    return weight.data_ptr(), _version(weight), weight.dtype
+
+
+def _shared_input_groups(model: nn.Module) -> list[list[PrepackedLinear]]:
+    groups = []
+    for parent in model.modules():
+        for names in SHARED_INPUT_NAMES:
+            members = [getattr(parent, name, None) for name in names]
+            if (all(type(m) is PrepackedLinear for m in members)
+                    and len({(m.in_features, m.weight.dtype, m.bias is None) for m in members}) == 1):
+                groups.append(members)
+    return groups
 
 
 @dataclass
@@ -126,8 +189,17 @@ def prepack_linears(model: nn.Module) -> int:
         if module.weight.device.type != "cpu" or module.weight.dtype != dtype:
             continue
         module.__class__ = PrepackedLinear
-        module._repack()
+        module._packed, module._packed_from, module._shared = None, None, None
         count += 1
+    for members in _shared_input_groups(model):
+        group = SharedInputGroup(members)
+        for member in members:
+            member._shared = group
+    # Pack now (a forward over one token does) rather than inside the first timed forward.
+    with torch.inference_mode():
+        for module in model.modules():
+            if type(module) is PrepackedLinear:
+                module(torch.zeros(1, module.in_features, dtype=dtype))
     return count
 
 
@@ -138,7 +210,7 @@ def restore_target(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is PrepackedLinear:
             module.__class__ = nn.Linear
-            del module._packed, module._packed_from
+            del module._packed, module._packed_from, module._shared
             count += 1
     return count
 
@@ -157,7 +229,10 @@ def stock_linears(model: nn.Module) -> Iterator[None]:
 
 
 def _packed_bytes(model: nn.Module) -> int:
-    return sum(m._packed.numel() * m._packed.element_size() for m in model.modules() if type(m) is PrepackedLinear)
+    modules = [m for m in model.modules() if type(m) is PrepackedLinear]
+    groups = {id(m._shared): m._shared for m in modules if m._shared is not None}
+    return (sum(m._packed.numel() * m._packed.element_size() for m in modules if m._packed is not None)
+            + sum(g.packed_bytes() for g in groups.values()))
 
 
 def optimize_target(model: nn.Module, mode: Mode = "auto", cache_folder=None) -> TargetOptimization:

@@ -68,30 +68,61 @@ def cpu_model() -> str:
     return f"{fields.get('Model name', '?').strip()} ({', '.join(wanted)})"
 
 
-def classify(event, width: int, vocab: int) -> str | None:
-    """The category of one profiled op by its name and input shapes; None for ops whose time their children own."""
-    name, shapes = event.key, [s for s in event.input_shapes if s]
-    if name in LINEAR_OPS:
-        return "lm_head" if any(vocab in shape for shape in shapes) else "linears"
-    if "scaled_dot_product" in name or name in ("aten::softmax", "aten::_softmax", "aten::baddbmm"):
+KV_CACHE_RANGE = "forward_cost::kv_cache_update"
+
+
+@contextlib.contextmanager
+def labelled_cache_updates():
+    """Every transformers cache layer's ``update`` (appending the new keys and values) runs inside a profiler range,
+    so its kernels are told apart from the identical ones (``cat``) that rotary embeddings call."""
+    from transformers import cache_utils
+
+    patched = []
+    for cls in vars(cache_utils).values():
+        if isinstance(cls, type) and cls.__name__.endswith("Layer") and "update" in vars(cls):
+            original = vars(cls)["update"]
+
+            def update(self, *args, _original=original, **kwargs):
+                with torch.profiler.record_function(KV_CACHE_RANGE):
+                    return _original(self, *args, **kwargs)
+
+            patched.append((cls, original))
+            cls.update = update
+    try:
+        yield
+    finally:
+        for cls, original in patched:
+            cls.update = original
+
+
+def classify(event, vocab: int) -> str:
+    """The category of one profiled op: by the range it runs in (cache update, attention), else by name and shapes."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == KV_CACHE_RANGE:
+            return "kv_cache"
+        if "scaled_dot_product" in parent.name:
+            return "attention"
+        parent = parent.cpu_parent
+    if event.name in LINEAR_OPS:
+        return "lm_head" if any(vocab in shape for shape in event.input_shapes if shape) else "linears"
+    if "scaled_dot_product" in event.name:
         return "attention"
-    if name == "aten::cat" and shapes and len(shapes[0]) == 4 and shapes[0][-2] > width:
-        return "kv_cache"  # the cache's keys or values grown by the new tokens (rotary's cat joins width-long halves)
     return "other_kernels"
 
 
-def profiled_split(model, step, width: int, vocab: int, wall: float) -> dict[str, float]:
+def profiled_split(model, step, vocab: int, wall: float) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with labelled_cache_updates(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         started = time.perf_counter()
         step()
         profiled_wall = time.perf_counter() - started
     split = dict.fromkeys(CATEGORIES, 0.0)
-    for event in prof.key_averages(group_by_input_shape=True):
-        category = classify(event, width, vocab)
-        split[category] += event.self_cpu_time_total / 1e6
-    # The profiler slows every op a little; its kernels' shares are scaled to the unprofiled forward.
+    for event in prof.events():
+        if event.name != KV_CACHE_RANGE:
+            split[classify(event, vocab)] += event.self_cpu_time_total / 1e6
+    # The profiler slows every op a little; the kernels' shares are scaled to the unprofiled forward.
     kernels = sum(split.values())
     scale = wall / profiled_wall
     split = {k: v * scale for k, v in split.items()}
@@ -129,7 +160,7 @@ def measure(model, widths, context: int, repeats: int) -> dict[int, dict]:
                     times[w].append(time.perf_counter() - started)
         for w in widths:
             wall = min(times[w])
-            results[w] = {"seconds": wall, "split": profiled_split(model, step_for(w), w, vocab, wall)}
+            results[w] = {"seconds": wall, "split": profiled_split(model, step_for(w), vocab, wall)}
     return results
 
 

@@ -77,6 +77,34 @@ def test_a_weight_changed_or_replaced_is_repacked():
         torch.testing.assert_close(model(x), F.linear(x, model[0].weight, model[0].bias))
 
 
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+
+
+def test_projections_of_one_input_are_multiplied_together_and_release_their_outputs():
+    from hf_dspark.optimization import SharedInputGroup
+
+    torch.manual_seed(0)
+    block = _as_model(_Attention())
+    stock = {name: (m.weight.clone(), m.bias.clone()) for name, m in block.named_children()}
+    optimize_target(block, "on")
+    group = block.q_proj._shared
+    assert isinstance(group, SharedInputGroup) and group is block.k_proj._shared is block.v_proj._shared
+    x, other = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    with torch.inference_mode():
+        for order in (("k_proj", "q_proj", "v_proj"), ("q_proj", "q_proj", "v_proj", "k_proj")):
+            for name in order:
+                weight, bias = stock[name]
+                torch.testing.assert_close(getattr(block, name)(x), F.linear(x, weight, bias))
+        torch.testing.assert_close(block.v_proj(other), F.linear(other, *stock["v_proj"]))  # another input
+        block.q_proj(x), block.k_proj(x), block.v_proj(x)
+        assert group._input is None  # every member took its columns: nothing kept past the forward
+        block.k_proj.weight.add_(1.0)  # a member's weight changed: the group repacks
+        torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))
+
+
 def test_gradients_take_the_stock_path():
     torch.manual_seed(0)
     model = _as_model(nn.Sequential(nn.Linear(16, 8)))
