@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -92,27 +93,31 @@ class SharedInputGroup:
         self.packed: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.packed_from: tuple | None = None
-        self._input: torch.Tensor | None = None
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()  # packing, once, for every thread
+        self._pending = threading.local()  # per thread (the demo runs two generate() calls on one target at once)
 
     def _stamp(self) -> tuple:
         return tuple(_stamp(p) for m in self.members for p in (m.weight, m.bias) if p is not None)
 
     def output_for(self, member: PrepackedLinear, x: torch.Tensor) -> torch.Tensor:
         index = self.members.index(member)
-        if self._input is not x or index not in self._outputs or self._input_version != _version(x):
-            if self.packed_from != self._stamp():
-                self.packed = onednn.pack(torch.cat([m.weight.detach() for m in self.members]))
-                has_bias = self.members[0].bias is not None
-                self.bias = torch.cat([m.bias.detach() for m in self.members]) if has_bias else None
-                self.packed_from = self._stamp()
-            out = onednn.linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
+        pending = self._pending
+        outputs = getattr(pending, "outputs", None)
+        if outputs is None or pending.input is not x or index not in outputs or pending.version != _version(x):
+            with self._lock:
+                if self.packed_from != self._stamp():
+                    self.packed = onednn.pack(torch.cat([m.weight.detach() for m in self.members]))
+                    has_bias = self.members[0].bias is not None
+                    self.bias = torch.cat([m.bias.detach() for m in self.members]) if has_bias else None
+                    self.packed_from = self._stamp()
+                packed, bias = self.packed, self.bias
+            out = onednn.linear(x.reshape(-1, x.shape[-1]), packed, bias)
             columns = out.split(self.sizes, dim=-1)
-            self._outputs = {i: c.reshape(*x.shape[:-1], c.shape[-1]) for i, c in enumerate(columns)}
-            self._input, self._input_version = x, _version(x)
-        output = self._outputs.pop(index)
-        if not self._outputs:
-            self._input = None
+            outputs = {i: c.reshape(*x.shape[:-1], c.shape[-1]) for i, c in enumerate(columns)}
+            pending.input, pending.version, pending.outputs = x, _version(x), outputs
+        output = outputs.pop(index)
+        if not outputs:
+            pending.input = pending.outputs = None
         return output
 
     def packed_bytes(self) -> int:

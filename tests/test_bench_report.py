@@ -33,6 +33,22 @@ def test_bench_markdown_tables():
     assert not any("prompt_lookup |" in line and "%" in line for line in lines)  # no rounds table for lookup
 
 
+def test_bench_markdown_with_the_stock_baseline():
+    """Where the target was optimised, plain on its stock linears is the baseline, and a second mean row gives each
+    method over plain on the optimised target (speculation alone)."""
+    report = {group: {"plain_stock": _row(1.0, speedup_vs_plain=0.5), "plain": _row(2.0, speedup_vs_plain=1.0),
+                      "dspark:hybrid": _row(3.0, speedup_vs_plain=1.5, identical_to_baseline="2/2")}
+              for group in ("set/a", "all")}
+    payload = {"settings": {"dtype": "float32", "max_new_tokens": 64, "num_prompts": 2, "threads": 2},
+               "results": {"report": report, "target_optimization": {"reason": "measured faster"}}}
+    lines = render_bench_markdown(payload, {"command": "c", "cpu": "cpu", "cpu_count": 2}).splitlines()
+    assert lines[1].startswith("# Speed of draft sources, optimised target: float32")
+    assert "| set | plain_stock | plain | dspark:hybrid |" in lines
+    assert "| geometric mean over sets | 1.00x | 2.00x | 3.00x |" in lines
+    assert "| geometric mean over plain on the optimised target | 0.50x | 1.00x | 1.50x |" in lines
+    assert any("`plain_stock` is plain on torch's stock linears" in line for line in lines)
+
+
 def test_bench_markdown_needs_sets():
     with pytest.raises(ValueError, match="no prompt-set results"):
         render_bench_markdown({"settings": {}, "results": {"report": {}}}, {})

@@ -70,3 +70,32 @@ def test_batched_quality_rollouts_match_generate(tmp_path):
     assert max(got["b"].verified) == 2
     with pytest.raises(ValueError, match="fixed verification length"):
         batched_rollouts(target, tokenizer, records, {"plain": {"assistant": False}}, progress=False)
+
+
+def test_a_method_on_the_stock_linears_of_an_optimised_target():
+    """``stock_linears``: that method runs on torch's stock linears, the others on the prepacked ones, outputs equal;
+    with it first, every method also gets its speedup over ``plain``."""
+    require_smollm2()
+    from transformers import AutoTokenizer
+
+    from hf_dspark.evaluation.rollouts import rollout_record, summarise
+    from hf_dspark.optimization import linears_state, optimize_target
+    from hf_dspark.target import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
+    target = make_target("llama", vocab_size=len(tokenizer))
+    optimize_target(target, "on")
+    seen = []
+    original = target.generate
+
+    def generate(*args, **kwargs):
+        seen.append(linears_state(target))
+        return original(*args, **kwargs)
+
+    target.generate = generate
+    methods = {"plain_stock": {"assistant": False, "stock_linears": True}, "plain": {"assistant": False}}
+    results = rollout_record(target, tokenizer, {"id": "a", "turns": ["2+2?"]}, methods, max_new_tokens=6)
+    assert seen == ["stock", "onednn-prepacked"] and linears_state(target) == "onednn-prepacked"
+    assert results["plain"].identical == results["plain"].compared == 1
+    summary = summarise(results, "plain_stock")
+    assert summary["plain"]["speedup_vs_plain"] == 1.0 and "speedup" in summary["plain_stock"]

@@ -100,9 +100,34 @@ def test_projections_of_one_input_are_multiplied_together_and_release_their_outp
                 torch.testing.assert_close(getattr(block, name)(x), F.linear(x, weight, bias))
         torch.testing.assert_close(block.v_proj(other), F.linear(other, *stock["v_proj"]))  # another input
         block.q_proj(x), block.k_proj(x), block.v_proj(x)
-        assert group._input is None  # every member took its columns: nothing kept past the forward
+        assert group._pending.outputs is None  # every member took its columns: nothing kept past the forward
         block.k_proj.weight.add_(1.0)  # a member's weight changed: the group repacks
         torch.testing.assert_close(block.k_proj(x), F.linear(x, block.k_proj.weight, block.k_proj.bias))
+
+
+def test_two_threads_sharing_a_group_each_get_their_own_products():
+    import threading
+
+    torch.manual_seed(0)
+    block = _as_model(_Attention())
+    stock = {name: (m.weight.clone(), m.bias.clone()) for name, m in block.named_children()}
+    optimize_target(block, "on")
+    inputs = [torch.randn(4, 16) for _ in range(2)]
+    wrong = []
+
+    def run(x):
+        with torch.inference_mode():
+            for _ in range(300):
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    if not torch.allclose(getattr(block, name)(x), F.linear(x, *stock[name]), atol=1e-5):
+                        wrong.append(name)
+
+    threads = [threading.Thread(target=run, args=(x,)) for x in inputs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong
 
 
 def test_gradients_take_the_stock_path():

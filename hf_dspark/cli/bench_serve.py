@@ -173,7 +173,10 @@ def run(settings: ServeSettings) -> int:
     allocator = None if pretouch is None else fix_allocator(pretouch=pretouch)
     print(f"allocator: {allocator or 'as the C library sets it'}", flush=True)
     prompts = _prompts(settings, tokenizer)
-    print(f"target: {settings.target or 'SmolLM2-135M-Instruct'} ({settings.dtype}, {device}); drafter: {origin}; "
+    from ..optimization import optimization_report
+
+    print(f"target: {settings.target or 'SmolLM2-135M-Instruct'} ({settings.dtype}, {device}, "
+          f"{optimization_report(target).summary()}); drafter: {origin}; "
           f"{len(prompts)} prompts, {settings.max_new_tokens} new tokens", flush=True)
     common = dict(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature, top_p=settings.top_p,
                   schedule=settings.schedule, sps=_sps(settings.sps), seed=settings.seed, repeats=settings.repeats,
@@ -185,8 +188,11 @@ def run(settings: ServeSettings) -> int:
         report = bench_serve(target, drafter, ids, methods, settings.concurrency,
                              share_measurements=not settings.cold_engines, lockstep=settings.lockstep or False,
                              **common)
+    from ..optimization import optimization_report
+
     recorded = {**asdict(settings), "device": str(device), "drafter_origin": origin, "allocator": allocator,
-                "prompt_ids": [i for i, _ in prompts]}
+                "prompt_ids": [i for i, _ in prompts],
+                "target_optimization": optimization_report(target).to_dict()}
     _write(settings, {"settings": recorded, "environment": environment(), **report}, report)
     return 0
 
@@ -195,7 +201,11 @@ def _models(settings: ServeSettings, methods: list[str], device: torch.device):
     """The target on ``device``, and the drafter where a method drafts."""
     from ..defaults import load_drafter_for
 
+    from ..optimization import optimize_target
+
     target, tokenizer, dtype = setup_target(settings)
+    if device.type != "cpu":
+        optimize_target(target, "off")  # oneDNN packing is for CPU forwards
     target = target.to(device)
     drafter, origin = None, None
     if any(not m.startswith("plain") for m in methods):
