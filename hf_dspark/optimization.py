@@ -168,7 +168,7 @@ class TargetOptimization:
             ratios = " (" + ", ".join(
                 f"width {w}: {self.measured['prepacked'][w] / self.measured['stock'][w]:.2f}x stock"
                 for w in self.measured["stock"]) + ")"
-        return f"oneDNN-prepacked linears on {self.linears} layers{ratios}"
+        return f"oneDNN-prepacked weights for {self.linears} linears{ratios}"
 
 
 def linears_state(model: nn.Module) -> str:
