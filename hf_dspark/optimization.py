@@ -349,8 +349,11 @@ def verdict_path(model: nn.Module, folder=None):
 def _verdict(model: nn.Module, folder=None) -> tuple[dict, bool]:
     path = verdict_path(model, folder)
     if path.is_file():
-        data = json.loads(path.read_text())
-        return {k: {int(w): s for w, s in v.items()} for k, v in data["measured"].items()}, True
+        try:
+            data = json.loads(path.read_text())
+            return {k: {int(w): s for w, s in v.items()} for k, v in data["measured"].items()}, True
+        except (ValueError, KeyError, AttributeError) as err:  # a damaged file is measured again, not trusted
+            logger.warning("ignoring the unreadable cached verdict %s (%s)", path, err)
     logger.info("timing the target's stock and prepacked forwards once (a few seconds; cached)")
     measured = measure_forwards(model)
     payload = {"key": verdict_key(model), "measured": measured, "created": time.time(),

@@ -74,6 +74,7 @@ def test_the_default_policy_and_sizes_show_in_generate_help(capsys):
      "--speed-prompts (60) cannot exceed --num-prompts (50)"),
     (["eval", "--data", "d", "--output", "o", "--num-shards", "2"], "--num-shards and --shard-index go together"),
     (["profile", "--time-budget-s", "-1"], "--time-budget-s must be >= 0"),
+    (["generate", "--optimize-target", "fast"], "argument --optimize-target: invalid choice: 'fast'"),
     (["demo", "--port", "70000"], "--port must be in [1, 65535]"),
     (["push", "--drafter", "nowhere", "--repo-id", "a/b"], "--drafter: not a drafter folder"),
     (["bench", "--prompts", "missing.jsonl"], "--prompts: prompt file or folder not found: missing.jsonl"),
@@ -105,6 +106,15 @@ def parsed(argv):
     sub = subparser(parser, args.command)
     note_deprecated(sub, argv)
     return build_settings(sub, args, COMMANDS[args.command].SETTINGS)
+
+
+def test_target_optimization_and_remeasure_flags():
+    (generate,) = parsed(["generate"])
+    assert generate.optimize_target == "auto"
+    (serve,) = parsed(["bench-serve", "--prompts", "p.jsonl", "--optimize-target", "off"])
+    assert serve.optimize_target == "off"
+    (profile,) = parsed(["profile", "--remeasure"])
+    assert profile.remeasure and profile.optimize_target == "auto"
 
 
 def test_old_spellings_still_parse_with_a_note(capsys):

@@ -196,6 +196,16 @@ def test_auto_keeps_stock_linears_where_prepacked_measured_slower(tmp_path):
     assert linears_state(target) == "stock"
 
 
+def test_a_damaged_cached_verdict_is_measured_again(tmp_path):
+    target = make_family_target("llama")
+    path = verdict_path(target, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    report = optimize_target(target, "auto", cache_folder=tmp_path)
+    assert not report.cached_verdict and set(report.measured) == {"stock", "prepacked"}
+    assert json.loads(path.read_text())["measured"]
+
+
 def test_the_sps_profile_key_names_the_linears():
     from hf_dspark.profiling import profile_key
 
