@@ -12,7 +12,8 @@ an ``nn.Linear`` with the same ``weight`` Parameter (state dicts, tied embedding
 nothing new); its class becomes :class:`PrepackedLinear`, which holds a packed copy of the weight beside it and uses
 it for forwards without autograd on CPU. Projections that read the same input (q/k/v, gate/up) are multiplied in
 one call over their concatenated packed weights (:class:`SharedInputGroup`). A weight changed in place or replaced
-is repacked at its next forward.
+is repacked at its next forward; a write through ``weight.data`` (PEFT's ``merge()``) bypasses the version counter
+that tells, so call :func:`repack_target` after one (or optimise after merging).
 ``"auto"`` (what ``load_default`` and the CLI use) measures stock against prepacked forwards of the model at widths 1
 and 8 once per machine, dtype, thread count and model, caches the verdict, and applies the packing only where it is
 faster at both widths. :func:`stock_linears` runs a block on the stock linears (the baseline a user has without this
@@ -70,7 +71,8 @@ class PrepackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (x.device.type != "cpu" or x.dtype != weight.dtype or x.numel() == 0 or weight.device.type != "cpu"
-                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):
+                or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+                or torch.is_autocast_enabled("cpu") or onednn.unavailable(weight.dtype) is not None):
             return F.linear(x, weight, self.bias)
         if self._shared is not None:
             return self._shared.output_for(self, x)
@@ -78,6 +80,10 @@ class PrepackedLinear(nn.Linear):
             self._packed, self._packed_from = onednn.pack(weight), _stamp(weight)
         out = onednn.linear(x.reshape(-1, x.shape[-1]), self._packed, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def __getstate__(self) -> dict:
+        # A copy (deepcopy, pickling) packs again at its first forward instead of carrying oneDNN's opaque layout.
+        return {**super().__getstate__(), "_packed": None, "_packed_from": None}
 
 
 class SharedInputGroup:
@@ -95,6 +101,16 @@ class SharedInputGroup:
         self.packed_from: tuple | None = None
         self._lock = threading.Lock()  # packing, once, for every thread
         self._pending = threading.local()  # per thread (the demo runs two generate() calls on one target at once)
+
+    def __getstate__(self) -> dict:
+        # Copies carry neither the lock, another thread's pending products nor the opaque packed weight.
+        return {"members": self.members, "sizes": self.sizes}
+
+    def __setstate__(self, state: dict) -> None:
+        # The members may still be half rebuilt here (they refer back to the group): only their references are kept.
+        self.members, self.sizes = state["members"], state["sizes"]
+        self.packed = self.bias = self.packed_from = None
+        self._lock, self._pending = threading.Lock(), threading.local()
 
     def _stamp(self) -> tuple:
         return tuple(_stamp(p) for m in self.members for p in (m.weight, m.bias) if p is not None)
@@ -200,12 +216,29 @@ def prepack_linears(model: nn.Module) -> int:
         group = SharedInputGroup(members)
         for member in members:
             member._shared = group
-    # Pack now (a forward over one token does) rather than inside the first timed forward.
-    with torch.inference_mode():
-        for module in model.modules():
-            if type(module) is PrepackedLinear:
-                module(torch.zeros(1, module.in_features, dtype=dtype))
+    # Pack now (a forward over one token does) rather than inside the first timed forward; a failure (out of memory)
+    # leaves the model as it was.
+    try:
+        with torch.inference_mode():
+            for module in model.modules():
+                if type(module) is PrepackedLinear:
+                    module(torch.zeros(1, module.in_features, dtype=dtype))
+    except BaseException:
+        restore_target(model)
+        raise
     return count
+
+
+def repack_target(model: nn.Module) -> int:
+    """Drop every packed copy so that the next forward packs the current weights; returns how many linears. Needed
+    after a change the version counter does not see: writing through ``weight.data`` (PEFT's ``merge()`` does),
+    or replacing storage at an address the allocator reused."""
+    modules = [m for m in model.modules() if type(m) is PrepackedLinear]
+    for module in modules:
+        module._packed = module._packed_from = None
+        if module._shared is not None:
+            module._shared.packed_from = None
+    return len(modules)
 
 
 def restore_target(model: nn.Module) -> int:
@@ -275,7 +308,9 @@ def optimization_report(model: nn.Module) -> TargetOptimization:
 def _optimize(model: nn.Module, mode: str, cache_folder) -> TargetOptimization:
     if mode == "off":
         return TargetOptimization(mode, False, "turned off")
-    parameter = next(model.parameters())
+    parameter = next(model.parameters(), None)
+    if parameter is None:
+        return TargetOptimization(mode, False, "the model has no parameters")
     if parameter.device.type != "cpu":
         if mode == "on":
             raise RuntimeError(f"cannot prepack the target's linears: it is on {parameter.device}, not the CPU")
@@ -298,7 +333,12 @@ def _optimize(model: nn.Module, mode: str, cache_folder) -> TargetOptimization:
         if slower:
             return TargetOptimization(mode, False, "prepacked forwards measured slower here at width "
                                       + ", ".join(map(str, slower)), measured=measured, cached_verdict=cached)
-    count = prepack_linears(model)
+    try:
+        count = prepack_linears(model)
+    except RuntimeError as err:  # e.g. out of memory for the packed copies: the model is left as it was
+        if mode == "on":
+            raise
+        return TargetOptimization(mode, False, f"packing failed: {err}", measured=measured, cached_verdict=cached)
     return TargetOptimization(mode, True, "measured faster" if mode == "auto" else "asked for", count,
                               _packed_bytes(model), measured, cached)
 
@@ -351,8 +391,11 @@ def _verdict(model: nn.Module, folder=None) -> tuple[dict, bool]:
     if path.is_file():
         try:
             data = json.loads(path.read_text())
-            return {k: {int(w): s for w, s in v.items()} for k, v in data["measured"].items()}, True
-        except (ValueError, KeyError, AttributeError) as err:  # a damaged file is measured again, not trusted
+            measured = {k: {int(w): float(s) for w, s in data["measured"][k].items()} for k in ("stock", "prepacked")}
+            if set(measured["stock"]) == set(measured["prepacked"]) and measured["stock"]:
+                return measured, True
+            raise ValueError("stock and prepacked widths differ")
+        except (ValueError, KeyError, AttributeError, TypeError) as err:  # a damaged file is measured again
             logger.warning("ignoring the unreadable cached verdict %s (%s)", path, err)
     logger.info("timing the target's stock and prepacked forwards once (a few seconds; cached)")
     measured = measure_forwards(model)
@@ -411,6 +454,7 @@ __all__ = [
     "optimization_report",
     "optimize_target",
     "prepack_linears",
+    "repack_target",
     "restore_target",
     "stock_linears",
 ]

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import statistics
 import time
 from collections.abc import Sequence
@@ -179,6 +180,9 @@ def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, ti
             return sps
         if stale is not None:
             logger.warning("re-measuring the cached SPS profile %s: %s", path.name, stale)
+        after_contradiction = bool(data.get("contradicted"))
+    else:
+        after_contradiction = False
     batch_tokens = sorted(set([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]) & set(
         range(1, max_batch_tokens + 1)) | {max_batch_tokens})
     with OthersLoad() as load:
@@ -190,13 +194,16 @@ def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, ti
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"key": profile_key(model), "profile": sps.to_dict(), "raw_seconds": raw,
                "context_lengths": list(context_lengths), "repeats": repeats, "created": time.time(),
-               "others_load": load.share, "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+               "others_load": load.share, "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+               # a profile measured again because rounds contradicted the last one is not marked again (no loop of
+               # re-measuring where rounds and profile differ for a steady reason)
+               "after_contradiction": after_contradiction}
     _write_json(path, payload)
     return sps
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)
 
@@ -207,6 +214,11 @@ CONTRADICTION = 1.6
 MIN_CHECKED_ROUNDS = 8
 
 
+# A busy profile's "is the machine quiet now" check sleeps a moment; it runs at most this often per profile.
+QUIET_RECHECK_S = 60.0
+_QUIET_CHECKED: dict[str, float] = {}
+
+
 def stale_reason(data: dict) -> str | None:
     """Why a cached profile must be measured again, or None: measured rounds contradicted it
     (``check_against_rounds``), or it was measured on a busy machine and the machine is quiet now."""
@@ -215,7 +227,8 @@ def stale_reason(data: dict) -> str | None:
         return (f"{contradicted['rounds']} generate() rounds ran at {contradicted['ratio']:.2f}x the time it "
                 f"predicts")
     share = data.get("others_load")
-    if share is not None and share > BUSY_SHARE:
+    if share is not None and share > BUSY_SHARE and time.monotonic() >= _QUIET_CHECKED.get(str(data.get("created")), 0):
+        _QUIET_CHECKED[str(data.get("created"))] = time.monotonic() + QUIET_RECHECK_S
         now = others_load_now()
         if now is not None and now <= BUSY_SHARE / 2:
             return (f"it was measured while other processes used {100 * share:.0f}% of the CPUs, and they use "
@@ -243,7 +256,8 @@ def check_against_rounds(model, stats, prompt_length: int, folder: Path | None =
     if len(ratios) < MIN_CHECKED_ROUNDS:
         return None
     ratio = statistics.median(ratios)
-    if (ratio > CONTRADICTION or ratio < 1 / CONTRADICTION) and not data.get("contradicted"):
+    if ((ratio > CONTRADICTION or ratio < 1 / CONTRADICTION) and not data.get("contradicted")
+            and not data.get("after_contradiction")):
         logger.warning("generate()'s rounds ran at %.2fx the time the cached SPS profile %s predicts; it is "
                        "re-measured at its next use", ratio, path.name)
         data["contradicted"] = {"ratio": ratio, "rounds": len(ratios), "at": time.time()}

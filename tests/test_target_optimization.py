@@ -130,6 +130,36 @@ def test_two_threads_sharing_a_group_each_get_their_own_products():
     assert not wrong
 
 
+def test_copies_writes_through_data_and_other_dtypes():
+    import copy
+
+    from hf_dspark.optimization import repack_target
+
+    target = make_family_target("llama")
+    prompt = torch.randint(2, VOCAB - 1, (1, 9), generator=torch.Generator().manual_seed(3))
+    optimize_target(target, "on")
+    with torch.inference_mode():
+        want = target(prompt).logits
+        twin = copy.deepcopy(target)  # packs again at its first forward
+        torch.testing.assert_close(twin(prompt).logits, want)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast takes the stock path, as it would unoptimised
+            assert target(prompt).logits.dtype == restore_and_run(target, prompt).dtype
+        optimize_target(target, "on")
+        proj = target.model.layers[0].self_attn.k_proj
+        proj.weight.data.mul_(3.0)  # invisible to the version counter
+        repack_target(target)
+        x = torch.randn(2, proj.in_features)
+        torch.testing.assert_close(proj(x), F.linear(x, proj.weight, proj.bias))
+        target.double()  # a dtype oneDNN does not pack: the stock path
+        torch.testing.assert_close(proj(x.double()), F.linear(x.double(), proj.weight, proj.bias))
+
+
+def restore_and_run(target, prompt):
+    restore_target(target)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return target(prompt).logits
+
+
 def test_gradients_take_the_stock_path():
     torch.manual_seed(0)
     model = _as_model(nn.Sequential(nn.Linear(16, 8)))
