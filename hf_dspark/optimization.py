@@ -31,6 +31,7 @@ import platform
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import onednn
+from .target import cache_root, write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +74,13 @@ class PrepackedLinear(nn.Linear):
         weight = self.weight
         if (x.device.type != "cpu" or x.dtype != weight.dtype or x.numel() == 0 or weight.device.type != "cpu"
                 or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                or torch.is_autocast_enabled("cpu") or onednn.unavailable(weight.dtype) is not None):
+                or torch.is_autocast_enabled("cpu")):
             return F.linear(x, weight, self.bias)
         if self._shared is not None:
             return self._shared.output_for(self, x)
         if self._packed_from != _stamp(weight):
+            if onednn.unavailable(weight.dtype) is not None:  # converted to a dtype oneDNN cannot pack here
+                return F.linear(x, weight, self.bias)
             self._packed, self._packed_from = onednn.pack(weight), _stamp(weight)
         out = onednn.linear(x.reshape(-1, x.shape[-1]), self._packed, self.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -122,6 +126,8 @@ class SharedInputGroup:
         if outputs is None or pending.input is not x or index not in outputs or pending.version != _version(x):
             with self._lock:
                 if self.packed_from != self._stamp():
+                    if onednn.unavailable(member.weight.dtype) is not None:
+                        return F.linear(x, member.weight, member.bias)
                     self.packed = onednn.pack(torch.cat([m.weight.detach() for m in self.members]))
                     has_bias = self.members[0].bias is not None
                     self.bias = torch.cat([m.bias.detach() for m in self.members]) if has_bias else None
@@ -377,11 +383,7 @@ def verdict_key(model: nn.Module) -> dict:
     }
 
 
-def verdict_path(model: nn.Module, folder=None):
-    from pathlib import Path
-
-    from .target import cache_root
-
+def verdict_path(model: nn.Module, folder=None) -> Path:
     digest = hashlib.sha1(json.dumps(verdict_key(model), sort_keys=True).encode()).hexdigest()[:16]
     return Path(folder or cache_root() / "optimization") / f"verdict-{digest}.json"
 
@@ -401,10 +403,7 @@ def _verdict(model: nn.Module, folder=None) -> tuple[dict, bool]:
     measured = measure_forwards(model)
     payload = {"key": verdict_key(model), "measured": measured, "created": time.time(),
                "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    write_json_atomically(path, payload)
     return measured, False
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from .attention import packed_attention
 from .machine_load import BUSY_SHARE, OthersLoad, others_load_now
 from .optimization import linears_state
 from .scheduling import StepsPerSecond
-from .target import cache_root
+from .target import cache_root, write_json_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -191,21 +190,14 @@ def load_or_profile(model, max_batch_tokens: int, folder: Path | None = None, ti
         logger.warning("the SPS profile was measured while other processes used %.0f%% of the CPUs, so it prices "
                        "rounds as a busy machine runs them; it is re-measured once the machine is quiet "
                        "(`hf-dspark profile --remeasure` does it at once)", 100 * load.share)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"key": profile_key(model), "profile": sps.to_dict(), "raw_seconds": raw,
                "context_lengths": list(context_lengths), "repeats": repeats, "created": time.time(),
                "others_load": load.share, "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                # a profile measured again because rounds contradicted the last one is not marked again (no loop of
                # re-measuring where rounds and profile differ for a steady reason)
                "after_contradiction": after_contradiction}
-    _write_json(path, payload)
+    write_json_atomically(path, payload)
     return sps
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
 
 
 # A cached profile whose rounds ran this many times faster or slower than it predicts is re-measured.
@@ -261,7 +253,7 @@ def check_against_rounds(model, stats, prompt_length: int, folder: Path | None =
         logger.warning("generate()'s rounds ran at %.2fx the time the cached SPS profile %s predicts; it is "
                        "re-measured at its next use", ratio, path.name)
         data["contradicted"] = {"ratio": ratio, "rounds": len(ratios), "at": time.time()}
-        _write_json(path, data)
+        write_json_atomically(path, data)
     return ratio
 
 
@@ -427,10 +419,7 @@ def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: i
         data["seconds"][str(size)] = round(seconds, 3)
         # Kept after every size: an interrupted profile loses at most the size it was measuring.
         data["created"] = time.time()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(path)
+        write_json_atomically(path, data)
     wanted = {str(int(s)) for s in batch_sizes}
     return BatchedStepsPerSecond.from_dict({"curves": {r: c for r, c in data["curves"].items() if r in wanted}})
 

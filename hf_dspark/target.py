@@ -7,9 +7,11 @@ load converts it once to a safetensors folder in the cache; later loads read tha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -21,6 +23,15 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 def cache_root() -> Path:
     """Folder for converted targets and profiles: ``$HF_DSPARK_CACHE`` or ``~/.cache/hf_dspark``."""
     return Path(os.environ.get("HF_DSPARK_CACHE", Path.home() / ".cache" / "hf_dspark"))
+
+
+def write_json_atomically(path: Path, payload: dict) -> None:
+    """Write ``payload`` to ``path`` through a temporary sibling (unique per process and thread) and a rename, so a
+    reader never sees half a cache file and concurrent writers never remove each other's temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
 
 
 def smollm2_gguf_path() -> Path:
