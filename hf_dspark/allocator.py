@@ -31,6 +31,22 @@ def keep_freed_memory() -> bool:
     return libc is not None and bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+# Heap the benches pre-touch (``fix_allocator(pretouch=)``): room for three engines' caches at 64 requests
+BENCH_PRETOUCH_MIB = 3072
+
+
+def pretouch_setting(dynamic_allocator: bool, pretouch_mib: int | None) -> int | None:
+    """Bytes of heap to pre-touch for the benches' ``--dynamic-allocator`` / ``--pretouch MIB`` options (None: the
+    allocator is left as the C library sets it). ``--pretouch`` goes with the pinned allocator and is >= 0."""
+    if dynamic_allocator and pretouch_mib is not None:
+        raise ValueError("--pretouch goes with the pinned allocator; --dynamic-allocator leaves glibc as it is")
+    if pretouch_mib is not None and pretouch_mib < 0:
+        raise ValueError(f"--pretouch must be >= 0 MiB, got {pretouch_mib}")
+    if dynamic_allocator:
+        return None
+    return (BENCH_PRETOUCH_MIB if pretouch_mib is None else pretouch_mib) << 20
+
+
 def fix_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int | None = None, top_pad: int = 256 << 20,
                   pretouch: int = 0) -> str | None:
     """Pin glibc malloc's thresholds for this process (``mallopt``): blocks up to ``mmap_threshold`` bytes come from

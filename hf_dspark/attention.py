@@ -50,8 +50,12 @@ def packed_gqa_attention(module: torch.nn.Module, query: torch.Tensor, key: torc
     n_rep = int(getattr(module, "num_key_value_groups", 1) or 1)
     batch, heads, q_length, dim = query.shape
     kv_length = key.shape[2]
+    # one query token goes without a mask, several with one. Spelled as a branch on q_length, not as a comparison of
+    # two booleans: under torch.compile with dynamic shapes q_length is symbolic, and dynamo cannot compare the
+    # symbolic ``q_length > 1`` with a Python bool (sympy refuses Eq(s > 1, True)); a branch is an ordinary guard.
+    mask_as_expected = (attention_mask is None) if q_length == 1 else (attention_mask is not None)
     covered = (
-        n_rep > 1 and (q_length > 1) == (attention_mask is not None) and dropout == 0.0
+        n_rep > 1 and mask_as_expected and dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None and key.shape[1] * n_rep == heads and value.shape[-1] == dim
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.dim() == 4

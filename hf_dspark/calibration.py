@@ -180,7 +180,7 @@ def collect_rollouts(target, tokenizer, drafter, records: list[dict], max_new_to
     """Speculative-decoding rollouts of each record's first turn, verifying the WHOLE block every round (so every
     position is observed). Rounds carry their record's index in ``records``.
 
-    ``concurrency`` 1 runs ``generate()`` prompt by prompt; above 1 the batched engine (``method="fixed"``) serves
+    ``concurrency`` 1 runs ``generate()`` prompt by prompt; above 1 the batched engine (``policy="fixed"``) serves
     that many prompts at once, which is several times faster on a CPU and records the same per-round events.
 
     ``checkpoint``: a JSON-lines file the rounds of every finished record are appended to (``CHECKPOINT_CHUNK``

@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .drafting import DSparkStats
 from .generation import DSparkRound
+from .policy_names import DEFAULT_POLICY
 from .scheduling import (
     ConfidenceThresholdPolicy,
     FixedLengthPolicy,
@@ -33,7 +34,7 @@ from .scheduling import (
     VerificationPolicy,
 )
 
-POLICIES = ("hybrid", "fixed", "threshold", "scheduler")
+POLICIES = ("hybrid", "fixed", "threshold", "scheduler")  # the policies the demo offers, the default first
 UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
 ROUNDS_SHOWN = 64  # the draft panel keeps the latest rounds
 DEFAULT_PROMPT = "Write a Python function that checks whether a number is prime."
@@ -58,7 +59,7 @@ BOX_STYLE = ("display:inline-block;margin:1px;padding:1px 4px;border-radius:4px;
 BORDER_STYLES = {"rejected": "outline:2px dashed #b91c1c;outline-offset:-2px;"}
 # What each verification policy does, shown under the policy choice.
 POLICY_HELP = {
-    "hybrid": "hybrid (generate()'s default): each round drafts from the drafter's block or a prompt lookup, or not at "
+    "hybrid": "hybrid (the default): each round drafts from the drafter's block or a prompt lookup, or not at "
               "all, whichever the target's measured speed profile says yields the most tokens per second",
     "fixed": "fixed: verify exactly N drafter tokens every round",
     "threshold": "threshold: verify drafts up to the first confidence c_k below t (at most N)",
@@ -311,25 +312,29 @@ def stream_generate(target, inputs: dict, settings: dict, drafter=None, stop: th
 # The app
 # ------------------------------------------------------------------------------------------------------------------
 class DemoRunner:
-    """The models plus one lock (the models are shared by every session; runs go one at a time)."""
+    """The models plus one lock (the models are shared by every session; runs go one at a time). ``policy``: the
+    policy the UI starts on (``default_policy``)."""
 
     def __init__(self, target, tokenizer, drafter, sps_time_budget_s: float = 30.0,
-                 update_interval_s: float = UPDATE_INTERVAL_S):
+                 update_interval_s: float = UPDATE_INTERVAL_S, policy: str = DEFAULT_POLICY):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
         drafter.check_target(target)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.block_size = drafter.config.block_size
         self.sps_time_budget_s = sps_time_budget_s
         self.update_interval_s = update_interval_s
         self.has_confidence = drafter.confidence_head is not None
+        self.start_policy = policy
         self.lock = threading.Lock()
         self._warm = False
         self._token_text: dict[int, str] = {}
 
     @property
     def default_policy(self) -> str:
-        """The policy ``generate()`` uses with this drafter (its generation config's), where the demo offers it."""
-        name = getattr(self.drafter.generation_config, "verification_policy", None) or "fixed"
-        return name if isinstance(name, str) and name in self.policies else "fixed"
+        """The policy the UI starts on: ``start_policy`` where this drafter can run it, else ``fixed`` (a drafter
+        without a confidence head)."""
+        return self.start_policy if self.start_policy in self.policies else "fixed"
 
     @property
     def policies(self) -> list[str]:
@@ -422,14 +427,16 @@ def _import_gradio():
 
 
 def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str | None = None,
-               update_interval_s: float = UPDATE_INTERVAL_S, drafter_label: str | None = None):
+               update_interval_s: float = UPDATE_INTERVAL_S, drafter_label: str | None = None,
+               policy: str = DEFAULT_POLICY):
     """A ``gr.Blocks`` app: prompt, policy settings, plain vs DSpark streaming side by side, per-round drafts,
     tau and speedup. Any decoder-only target with its tokenizer and a DSpark drafter shaped for it; the UI is
-    updated at most every ``update_interval_s`` seconds per run. The policy starts on the one ``generate()`` uses
-    with this drafter; ``drafter_label`` (e.g. its folder and weights digest) is shown under the title."""
+    updated at most every ``update_interval_s`` seconds per run. The policy starts on ``policy`` (``fixed`` for a
+    drafter without a confidence head); ``drafter_label`` (e.g. its folder and weights digest) is shown under the
+    title."""
     gr = _import_gradio()
 
-    runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s)
+    runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s, policy=policy)
     target_name = Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     name = title or f"DSpark speculative decoding: {target_name}"
     policies = runner.policies
@@ -489,10 +496,10 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
 
 def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: str | None = None,
                    dtype: torch.dtype = torch.float32, max_new_tokens: int = 128, optimize_target: str = "auto",
-                   **launch_kwargs):
-    """Serve the demo on SmolLM2-135M-Instruct with the embedded drafter (or ``drafter``, a folder); blocks until
-    interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the demo runs offline).
-    ``optimize_target`` is :func:`hf_dspark.optimize_target`'s mode for the target."""
+                   policy: str = DEFAULT_POLICY, **launch_kwargs):
+    """Serve the demo on SmolLM2-135M-Instruct with the embedded drafter (or ``drafter``, a folder), the UI starting
+    on ``policy``; blocks until interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the
+    demo runs offline). ``optimize_target`` is :func:`hf_dspark.optimize_target`'s mode for the target."""
     from .defaults import load_drafter_for
     from .optimization import optimize_target as optimize
     from .target import load_smollm2
@@ -502,7 +509,7 @@ def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: st
     optimize(target, optimize_target)
     model, origin = load_drafter_for(target, drafter, dtype=dtype)
     demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
-                      title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin))
+                      title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin), policy=policy)
     return demo.launch(server_name=host, server_port=port, share=False, **launch_kwargs)
 
 

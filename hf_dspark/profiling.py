@@ -60,6 +60,20 @@ REFERENCE_CONTEXT = 256
 MIN_MODELLED_CONTEXT = 1024
 
 
+# A profile's times are the fastest of their repeats (noise on a shared machine only adds time). Once a timed round
+# confirms the fastest times so far (each width's time in it within ``SETTLED`` of that width's fastest before it),
+# two rounds agree and the profile stops repeating: two timed rounds on a quiet machine, up to ``repeats`` on a
+# noisy one, where rounds disagree.
+SETTLED = 0.05
+MIN_TIMED_ROUNDS = 2
+
+
+def settled(fastest: dict, this_round: dict, share: float = SETTLED) -> bool:
+    """Whether ``this_round``'s times confirm the ``fastest`` times of the rounds before it: every key was timed
+    before, and this round's time is within ``share`` of it, faster or slower."""
+    return all(key in fastest and abs(this_round[key] - fastest[key]) <= share * fastest[key] for key in this_round)
+
+
 def context_model(raw: dict[int, dict[int, list[float]]], reference: int = REFERENCE_CONTEXT
                   ) -> tuple[list[float], list[float] | None]:
     """Per B, from its fastest forward at each context: steps/s at ``reference`` and seconds per context token, the
@@ -86,7 +100,8 @@ def context_model(raw: dict[int, dict[int, list[float]]], reference: int = REFER
 @torch.no_grad()
 def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: list[int] = PROFILE_CONTEXTS,
                              repeats: int = 5, time_budget_s: float = 60.0) -> tuple[StepsPerSecond, dict]:
-    """Steps/s for each B from its fastest repeat at each context, with the context model of ``context_model``
+    """Steps/s for each B from its fastest repeat at each context (at most ``repeats`` timed rounds per context,
+    fewer once a round confirms the fastest: ``settled``), with the context model of ``context_model``
     when a long context was reached within the budget; returns the curve and raw timings. The forwards run under
     ``packed_attention``, as DSpark-assisted generate() runs its verifications."""
     from transformers import DynamicCache
@@ -110,6 +125,7 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
                       torch.arange(context, context + b, device=device).unsqueeze(0)) for b in batch_tokens}
         # Round-robin over B (one warm-up round first), so that load drift does not bias particular B.
         for r in range(repeats + 1):
+            before = {b: min(raw[b][context]) for b in batch_tokens if raw[b].get(context)}
             for b in batch_tokens:
                 step_ids, positions = inputs[b]
                 _sync(device)
@@ -123,6 +139,9 @@ def measure_steps_per_second(model, batch_tokens: list[int], context_lengths: li
                     raw[b].setdefault(context, []).append(elapsed)
             bar.update()
             if r and time.perf_counter() - started > time_budget_s:
+                break
+            if r >= MIN_TIMED_ROUNDS and settled(before, {b: raw[b][context][-1] for b in batch_tokens}):
+                bar.update(repeats - r)
                 break
         if time.perf_counter() - started > time_budget_s:
             break
@@ -340,8 +359,9 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
     Returns SPS over the total tokens B = R * q, and the raw timings (the fastest of ``repeats`` after a warm-up
     counts: noise on a shared machine only adds time, and a median of five taken while it drifts priced SmolLM2's
     8-token step at one request 1.58x a 1-token step where the engine's own steps measured 1.1-1.3x, so the
-    scheduler verified short and never timed the wide steps that would have shown it). Past ``time_budget_s`` no
-    further repeat starts (the warm-up and one timed round always run).
+    scheduler verified short and never timed the wide steps that would have shown it). Repeats stop once a round
+    confirms the fastest times (``settled``); past ``time_budget_s`` no further repeat starts (the warm-up and one timed
+    round always run).
     """
     from transformers import DynamicCache
 
@@ -363,6 +383,7 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
     # Round-robin over q (one warm-up round first): drift in machine load hits every q alike instead of biasing
     # whichever q was measured during a slow spell.
     for r in range(repeats + 1):
+        before = {q: min(raw[q]) for q in tokens_per_request if raw[q]}
         for q in tokens_per_request:
             step_ids, positions, mask = inputs[q]
             _sync(device)
@@ -377,6 +398,8 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
                 raw[q].append(elapsed)
         if r and time.perf_counter() - started > time_budget_s:
             break
+        if r >= MIN_TIMED_ROUNDS and settled(before, {q: raw[q][-1] for q in tokens_per_request}):
+            break
     measured = sorted(q for q in raw if raw[q])
     batch_tokens = [num_requests * q for q in measured]
     sps = monotone_fit([1.0 / min(raw[q]) for q in measured], decreasing=True)
@@ -386,13 +409,16 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
 def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: int, folder: Path | None = None,
                             context_length: int = 256, repeats: int = 5,
                             hidden_state_indices: list[int] | None = None,
-                            time_budget_s: float = 60.0) -> BatchedStepsPerSecond:
+                            time_budget_s: float = 60.0, progress=None) -> BatchedStepsPerSecond:
     """The cached batched SPS profile covering ``batch_sizes`` requests with up to ``tokens_per_request`` tokens each
     (the widths of ``profiled_widths``); measures only what the cache lacks, per batch size, smallest first.
 
     ``time_budget_s`` bounds the whole profile: each batch size still to measure gets an even share of what is left
     (what a small size leaves unused goes to the larger ones), and a size past its share stops repeating after its
-    first timed round. The seconds each size took are kept in the cache file (``"seconds"``) and logged."""
+    first timed round. The seconds each size took are kept in the cache file (``"seconds"``) and logged.
+
+    ``progress(done, sizes, seconds)``, when given, hears before the first size and after each one: the batch sizes
+    measured so far, all those to measure, and the seconds spent (nothing when the cache covers every size)."""
     # "attention": the engine's verify forwards fold grouped query heads (hf_dspark.attention); profiles timed
     # with transformers' per-head KV copy price wide steps too high and are not reused. "widths": which q are timed.
     key = {**profile_key(model), "kind": "batched", "context_length": context_length, "attention": "packed-gqa",
@@ -408,6 +434,8 @@ def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: i
             missing.append(size)
     started = time.perf_counter()
     for i, size in enumerate(missing):
+        if progress is not None:
+            progress(missing[:i], missing, time.perf_counter() - started)
         share = max(0.0, time_budget_s - (time.perf_counter() - started)) / (len(missing) - i)
         size_started = time.perf_counter()
         sps, raw = measure_batched_steps_per_second(model, size, profiled_widths(size, tokens_per_request),
@@ -420,6 +448,8 @@ def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: i
         # Kept after every size: an interrupted profile loses at most the size it was measuring.
         data["created"] = time.time()
         write_json_atomically(path, data)
+    if progress is not None and missing:
+        progress(missing, missing, time.perf_counter() - started)
     wanted = {str(int(s)) for s in batch_sizes}
     return BatchedStepsPerSecond.from_dict({"curves": {r: c for r, c in data["curves"].items() if r in wanted}})
 

@@ -9,7 +9,7 @@ goes back (no early stop) does not.
 
 A policy decides for R rows at once (``verify_lengths``): ``generate()`` asks it for one row, the batched engine for
 all of its rows, and its name (``register_verification_policy``) selects it in both (``verification_policy`` in the
-drafter's generation config, ``DSparkEngine(method=)``, ``bench --policies``, ``bench-serve --methods``).
+drafter's generation config, ``DSparkEngine(policy=)``, ``bench --policies``, ``bench-serve --policies``).
 
 This file is self-contained (torch + its siblings ``drafting`` and ``gate``): exported drafter folders carry it in
 ``custom_generate/``.

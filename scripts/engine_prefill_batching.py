@@ -41,7 +41,7 @@ def main() -> None:
     if args.fit:
         fit(target)
     for size in args.group_sizes:  # warm-up: the first forwards of each shape pay one-off kernel set-up
-        engine = DSparkEngine(target, None, method="plain", seed=0)
+        engine = DSparkEngine(target, None, policy="plain", seed=0)
         for prompt in prompts[:size]:
             engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
         engine._admit()
@@ -51,7 +51,7 @@ def main() -> None:
         for size in sizes[repeat % len(sizes):] + sizes[: repeat % len(sizes)]:
             total = 0.0
             for start in range(0, len(prompts), size):
-                engine = DSparkEngine(target, None, method="plain", seed=0)
+                engine = DSparkEngine(target, None, policy="plain", seed=0)
                 for prompt in prompts[start:start + size]:
                     engine.add_request(prompt, SamplingParams(max_new_tokens=args.max_new_tokens))
                 started = time.perf_counter()
@@ -77,7 +77,7 @@ def fit(target) -> None:
     for rows_, width in shapes:
         times = []
         for _ in range(3):
-            engine = DSparkEngine(target, None, method="plain", seed=0)
+            engine = DSparkEngine(target, None, policy="plain", seed=0)
             for r in range(rows_):
                 engine.add_request([(7 * r + 11 * i) % 1000 + 100 for i in range(width)])
             started = time.perf_counter()

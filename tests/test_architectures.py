@@ -58,7 +58,7 @@ def test_optimised_target_greedy_equals_stock_plain(pair, policy):
         out = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
         assert torch.equal(out, plain)
         batch = generate_batch(target, [prompt[0]], drafter, SamplingParams(max_new_tokens=NEW_TOKENS),
-                               method="fixed" if policy == "fixed" else "scheduled",
+                               policy="fixed" if policy == "fixed" else "scheduler",
                                sps=BatchedStepsPerSecond({1: SPS}), optimize_target=None)
         assert batch.outputs[0].token_ids == plain[0, prompt.shape[1]:].tolist()
     finally:
@@ -73,7 +73,7 @@ def test_generate_sampling_runs(pair):
     assert out.shape[1] == prompt.shape[1] + NEW_TOKENS
 
 
-@pytest.mark.parametrize("method", ["plain", "fixed", "scheduled"])
+@pytest.mark.parametrize("method", ["plain", "fixed", "scheduler"])
 def test_engine_greedy_equals_plain(pair, method):
     from hf_dspark.engine import SamplingParams, generate_batch
     from hf_dspark.profiling import BatchedStepsPerSecond
@@ -85,7 +85,7 @@ def test_engine_greedy_equals_plain(pair, method):
                           generator=torch.Generator().manual_seed(2))
     other_plain = target.generate(other, max_new_tokens=NEW_TOKENS, do_sample=False)
     out = generate_batch(target, [prompt[0], other[0]], None if method == "plain" else drafter,
-                         SamplingParams(max_new_tokens=NEW_TOKENS), method=method,
+                         SamplingParams(max_new_tokens=NEW_TOKENS), policy=method,
                          sps=BatchedStepsPerSecond({1: SPS, 2: SPS}))
     assert out.outputs[0].token_ids == plain[0, prompt.shape[1]:].tolist()
     assert out.outputs[1].token_ids == other_plain[0, other.shape[1]:].tolist()
@@ -168,7 +168,7 @@ def test_targets_with_recurrent_layers_are_refused_up_front(kinds):
     with pytest.raises(ValueError, match=rf"cannot serve this target: .*'{kinds[0]}' layers \[0\]"):
         target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=drafter)
     with pytest.raises(ValueError, match=rf"batched engine cannot serve this target: .*'{kinds[0]}' layers \[0\]"):
-        generate_batch(target, [prompt[0]], drafter, SamplingParams(max_new_tokens=4), method="fixed")
+        generate_batch(target, [prompt[0]], drafter, SamplingParams(max_new_tokens=4), policy="fixed")
 
 
 def test_the_engine_refuses_attention_kinds_it_cannot_mask():
@@ -178,7 +178,7 @@ def test_the_engine_refuses_attention_kinds_it_cannot_mask():
     target = make_target("llama", seed=0).eval()
     target.config.layer_types = ["chunked_attention"] + ["full_attention"] * (target.config.num_hidden_layers - 1)
     with pytest.raises(ValueError, match=r"full and sliding-window attention layers; .*\['chunked_attention'\]"):
-        generate_batch(target, [torch.tensor([1, 5, 9])], None, SamplingParams(max_new_tokens=2), method="plain")
+        generate_batch(target, [torch.tensor([1, 5, 9])], None, SamplingParams(max_new_tokens=2), policy="plain")
 
 
 @pytest.mark.parametrize("family", SLIDING)

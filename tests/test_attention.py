@@ -43,6 +43,18 @@ def test_packed_gqa_equals_sdpa_with_ragged_masks(q):
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_packed_gqa_compiles_with_a_symbolic_query_length():
+    """torch.compile with dynamic shapes (what transformers' compiled verification forward reaches once its widths
+    vary) traces the packed path for one token without a mask and several with one, and gives the eager result."""
+    module = _Module(groups=3)
+    compiled = torch.compile(packed_gqa_attention, backend="eager", dynamic=True)
+    for q in (1, 3, 5):
+        query, key, value = _inputs(q=q)
+        mask = None if q == 1 else _ragged_mask(3, q, 11)
+        torch.testing.assert_close(compiled(module, query, key, value, mask, scaling=0.3)[0],
+                                   packed_gqa_attention(module, query, key, value, mask, scaling=0.3)[0])
+
+
 @pytest.mark.parametrize("kv", [4, 9])
 def test_packed_gqa_leaves_several_tokens_without_a_mask_to_sdpa(kv):
     """Without a mask, several query tokens mean a causal prefill: over as many keys (a dynamic cache) or over a

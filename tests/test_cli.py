@@ -125,10 +125,10 @@ def test_old_spellings_still_parse_with_a_note(capsys):
     err = capsys.readouterr().err
     assert "--methods is deprecated; use --policies" in err
     assert "--time-budget is deprecated; use --time-budget-s" in err
-    from hf_dspark.cli.bench_serve import _check_policies, engine_methods
+    from hf_dspark.cli.bench_serve import _check_policies, engine_specs
 
     _check_policies(serve)  # today's names in the settings, the engine's in what it runs
-    assert serve.policies == ["plain", "scheduler"] and engine_methods(serve) == ["plain", "scheduler"]
+    assert serve.policies == ["plain", "scheduler"] and engine_specs(serve) == ["plain", "scheduler"]
     assert "--policies scheduled is deprecated; use scheduler" in capsys.readouterr().err
 
 
@@ -146,14 +146,42 @@ def test_short_and_negative_spellings():
     assert regeneration.dtype == "float32" and regeneration.exclude == []
 
 
-def test_policy_names_reach_registered_policies_and_engine_methods():
+def test_policy_names_reach_registered_policies_and_engine_policies():
     from hf_dspark.cli.policies import POLICIES
-    from hf_dspark.engine.config import METHOD_ALIASES
+    from hf_dspark.policy_names import DEFAULT_POLICY, DEPRECATED_POLICIES
     from hf_dspark.scheduling import VERIFICATION_POLICIES
 
-    # the engine's method is a name in the same registry generate() reads (or one of its old spellings)
+    # the engine's policy is a name in the same registry generate() reads; old names stand for registered ones
     assert {policy for policy, _ in POLICIES.values()} <= set(VERIFICATION_POLICIES)
-    assert {method for _, method in POLICIES.values() if method} <= set(VERIFICATION_POLICIES) | set(METHOD_ALIASES)
+    assert {policy for _, policy in POLICIES.values() if policy} <= set(VERIFICATION_POLICIES)
+    assert set(DEPRECATED_POLICIES.values()) <= set(VERIFICATION_POLICIES) and DEFAULT_POLICY in POLICIES
+
+
+def test_every_entry_point_defaults_to_the_one_policy(capsys):
+    """generate, serve, bench, bench-serve and demo on the command line (and in their help), the engine's
+    ``EngineConfig`` and the demo's functions all start from ``policy_names.DEFAULT_POLICY``; bench-serve compares it
+    with plain, its baseline."""
+    import inspect
+
+    from hf_dspark.demo import DemoRunner, build_demo, launch_default
+    from hf_dspark.engine import EngineConfig
+    from hf_dspark.policy_names import DEFAULT_POLICY, PLAIN
+
+    (generate,) = parsed(["generate"])
+    (serve,) = parsed(["serve"])
+    (bench,) = parsed(["bench", "--prompts", "p.jsonl"])
+    (bench_serve,) = parsed(["bench-serve", "--prompts", "p.jsonl"])
+    (demo,) = parsed(["demo"])
+    assert generate.policy == serve.policy == demo.policy == DEFAULT_POLICY == "hybrid"
+    assert bench.policies == [DEFAULT_POLICY] and bench_serve.policies == [PLAIN, DEFAULT_POLICY]
+    assert EngineConfig().policy == DEFAULT_POLICY
+    for function in (DemoRunner, build_demo, launch_default):
+        assert inspect.signature(function).parameters["policy"].default == DEFAULT_POLICY, function
+    for command in ("generate", "serve", "bench", "demo", "bench-serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        shown = "(default: plain hybrid)" if command == "bench-serve" else "(default: hybrid)"
+        assert shown in " ".join(capsys.readouterr().out.split()), command
 
 
 class FakeStats:
@@ -233,3 +261,72 @@ def test_demo_prints_its_address_without_gradios_share_hint(capsys, monkeypatch)
     assert main(["demo", "--max-new-tokens", "64"]) == 130
     assert launched["quiet"] and launched["prevent_thread_lock"] and launched["max_new_tokens"] == 64
     assert "serving on http://127.0.0.1:7860/" in capsys.readouterr().out
+
+
+def test_bench_prints_its_tables_and_with_json_its_report(capsys, monkeypatch, tmp_path):
+    """By default the tables ``--markdown`` writes (torch's thread count, singular counts); ``--json``: the report."""
+    import hf_dspark.cli.bench as bench
+    import hf_dspark.evaluation
+
+    row = {"tokens": 10, "seconds": 1.0, "tokens_per_s": 10.0, "speedup": 1.0}
+    report = {group: {"plain": row, "dspark:fixed": {**row, "speedup": 1.5, "accepted_length": 2.0,
+                                                     "identical_to_baseline": "1/1"}} for group in ("set/chat", "all")}
+    model = FakeModel()
+    monkeypatch.setattr(bench, "setup_target", lambda settings: (model, FakeTokenizer(), torch.float32))
+    monkeypatch.setattr(bench, "_methods", lambda settings, target, dtype: (
+        {"plain": {"assistant": False}, "dspark:fixed": {"assistant": True, "verification_policy": "fixed"}},
+        {"dspark": "fake drafter"}))
+    monkeypatch.setattr(hf_dspark.evaluation, "run_rollouts", lambda *args, **kwargs: report)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "turns": ["Hi"]}) + "\n")
+    argv = ["bench", "--prompts", "p.jsonl", "--policies", "fixed", "--num-prompts", "1", "--max-new-tokens", "1"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "# Speed of draft sources: float32, 1 new token, 1 prompt per set"
+    assert "| chat | 1.00x | 1.50x (tau 2.00) 1/1 same |" in lines
+    machine = next(line for line in lines if line.startswith("- Machine:")).split(";")[0]
+    threads = torch.get_num_threads()
+    assert machine.endswith(f"cores, {threads} torch thread{'' if threads == 1 else 's'})"), machine
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["results"]["report"] == report and payload["results"]["drafters"] == {"dspark": "fake drafter"}
+
+
+@pytest.mark.parametrize(("dtype", "device", "flags", "faster"), [
+    ("float32", "cpu", set(), None),
+    ("float16", "cuda", set(), None),
+    ("bfloat16", "cuda", set(), None),
+    ("float16", "cpu", {"avx2", "fma"}, "float32"),
+    ("float16", "cpu", {"avx512f", "avx512_bf16"}, "bfloat16"),
+    ("float16", "cpu", {"avx512_fp16"}, None),
+    ("float16", "cpu", {"amx_fp16"}, None),
+    ("bfloat16", "cpu", {"avx2", "fma"}, "float32"),
+    ("bfloat16", "cpu", {"avx512_bf16"}, None),
+    ("bfloat16", "cpu", {"amx_bf16"}, None),
+])
+def test_slow_dtype_warning_names_the_faster_dtype(dtype, device, flags, faster):
+    from hf_dspark.cpu_features import slow_dtype_warning
+
+    message = slow_dtype_warning(dtype, device, flags)
+    if faster is None:
+        assert message is None
+    else:
+        assert message.startswith(f"{dtype} is slow on this CPU: it has no ") and message.endswith(
+            f"; {faster} is faster here")
+
+
+def test_setup_target_warns_of_a_slow_dtype_on_the_cpu(capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    import hf_dspark.cli.common as common
+    import hf_dspark.cpu_features
+
+    monkeypatch.setattr(hf_dspark.cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(common, "load_target", lambda name, dtype: (FakeModel(), FakeTokenizer()))
+    _, _, dtype = common.setup_target(SimpleNamespace(dtype="float16", target=None, threads=None))
+    assert dtype == torch.float16
+    assert capsys.readouterr().err.splitlines() == [
+        "hf-dspark: warning: float16 is slow on this CPU: it has no avx512_fp16 or amx_fp16 instructions, so torch "
+        "emulates float16 matrix products; float32 is faster here"]
+    common.setup_target(SimpleNamespace(dtype="float32", target=None, threads=None))
+    assert capsys.readouterr().err == ""

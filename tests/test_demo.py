@@ -131,18 +131,22 @@ def test_runner_streams_and_matches_plain(tiny_models):
         next(runner.run("  ", 8, "fixed", 0.5, 4))
 
 
-def test_runner_defaults_to_generates_policy(tiny_models):
+def test_runner_starts_on_the_default_policy(tiny_models):
+    """The UI starts on the policy every entry point defaults to (or the one it is given), whatever the drafter's
+    generation config says; a drafter without a confidence head starts on fixed, the one policy it offers."""
+    from hf_dspark.policy_names import DEFAULT_POLICY
+
     target, tokenizer, drafter = tiny_models
-    runner = DemoRunner(target, tokenizer, drafter)
-    config = drafter.generation_config
-    saved = config.verification_policy
+    assert DemoRunner(target, tokenizer, drafter).default_policy == DEFAULT_POLICY == "hybrid"
+    assert DemoRunner(target, tokenizer, drafter, policy="threshold").default_policy == "threshold"
+    with pytest.raises(ValueError, match="unknown policy 'scheduled'"):
+        DemoRunner(target, tokenizer, drafter, policy="scheduled")
+    head, drafter.confidence_head = drafter.confidence_head, None
     try:
-        config.verification_policy = None  # generate()'s own default
-        assert runner.default_policy == "fixed"
-        config.verification_policy = "hybrid"  # what the packaged drafters carry
-        assert runner.default_policy == "hybrid" and runner.policies[0] == "hybrid"
+        runner = DemoRunner(target, tokenizer, drafter)
+        assert runner.policies == ["fixed"] and runner.default_policy == "fixed"
     finally:
-        config.verification_policy = saved
+        drafter.confidence_head = head
 
 
 def test_rounds_panel_keeps_the_newest_round_in_view():

@@ -38,7 +38,7 @@ def test_device_check_quick_on_cpu(tmp_path):
     for concurrency in (1, 4):
         engine = rows[f"engine[c={concurrency}]"]
         assert engine["result"] == "PASS" and engine["numbers"]["plain_tok_s"] > 0, engine
-        for method in ("fixed", "scheduled", "hybrid"):
+        for method in ("fixed", "scheduler", "hybrid"):
             numbers = engine["numbers"][method]
             assert numbers["vs_plain"] > 0 and numbers["identical"] == f"{engine['numbers']['requests']}/" \
                 f"{engine['numbers']['requests']}", (method, engine)

@@ -38,14 +38,14 @@ DECREASING_SPS = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 3, 5, 8], [100.
 PROHIBITIVE_SPS = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 8], [100.0, 1.0, 0.1])})
 
 METHODS = {
-    "plain": dict(method="plain"),
-    "fixed": dict(method="fixed"),
-    "fixed=2": dict(method="fixed", num_verify_tokens=2),
+    "plain": dict(policy="plain"),
+    "fixed": dict(policy="fixed"),
+    "fixed=2": dict(policy="fixed", num_verify_tokens=2),
     # cost_aware=False: whether drafting pays for the drafter's MEASURED time depends on the machine's load; these
     # tests check exactness and that drafts are used (the cost gate has its own test).
-    "padded": dict(method="scheduled", schedule="padded", sps=DECREASING_SPS, cost_aware=False),
-    "prefix": dict(method="scheduled", schedule="prefix", sps=DECREASING_SPS, cost_aware=False),
-    "topk": dict(method="scheduled", schedule="topk", sps=DECREASING_SPS, cost_aware=False),
+    "padded": dict(policy="scheduler", schedule="padded", sps=DECREASING_SPS, cost_aware=False),
+    "prefix": dict(policy="scheduler", schedule="prefix", sps=DECREASING_SPS, cost_aware=False),
+    "topk": dict(policy="scheduler", schedule="topk", sps=DECREASING_SPS, cost_aware=False),
 }
 
 
@@ -289,7 +289,7 @@ def test_greedy_equality_random_drafter(tiny_targets, family, head, block_size):
     prompts = [p[: 2 + 2 * i] for i, p in enumerate(prompts)]
     max_new = [30, 19, 1, 26, 9]
     result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
-                            method="fixed", max_concurrency=3)
+                            policy="fixed", max_concurrency=3)
     for prompt, m, out in zip(prompts, max_new, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, m)
     if block_size > 1:
@@ -309,7 +309,7 @@ def test_eos_and_length_finish_at_different_times(tiny_targets, trained_drafters
         prompts.append(prompt)
         params.append(SamplingParams(max_new_tokens=30, eos_token_id=[] if eos is None else eos))
         expected.append((plain_greedy(target, prompt, 30, eos), "length" if eos is None else "eos"))
-    result = generate_batch(target, prompts, drafter, params, method="fixed")
+    result = generate_batch(target, prompts, drafter, params, policy="fixed")
     reasons = set()
     for out, (tokens, reason) in zip(result.outputs, expected):
         assert out.token_ids == tokens and out.finish_reason == reason
@@ -361,7 +361,7 @@ def test_admission_hold_lets_joiners_share_a_prefill(tiny_targets, hold, calls, 
     prompts = [p[0].tolist()[: 3 + i] for i, p in enumerate(random_prompts(4, 8, target.config.vocab_size, seed=3))]
     max_new = [3, 5, 6, 4]
     result = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in max_new],
-                            method="plain", max_concurrency=2, admission_hold=hold)
+                            policy="plain", max_concurrency=2, admission_hold=hold)
     for prompt, m, out in zip(prompts, max_new, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, m)
     summary = result.stats.summary()
@@ -374,15 +374,15 @@ def test_admission_is_not_held_without_a_queue_or_a_row_about_to_finish(tiny_tar
     prompts = [p[0].tolist() for p in random_prompts(4, 6, target.config.vocab_size, seed=4)]
     # C alone waits for A's slot: it can join now, holding could merge nothing
     three = generate_batch(target, prompts[:3], None, [SamplingParams(max_new_tokens=m) for m in (3, 5, 4)],
-                           method="plain", max_concurrency=2, admission_hold=8)
+                           policy="plain", max_concurrency=2, admission_hold=8)
     assert three.stats.held_slot_steps == 0 and three.stats.prefill_calls == 2
     # B has 20 tokens to go when A leaves, more than the budget's 16 steps (4 * 2 slots * 2 generations): C and D
     # do not wait for it
     four = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in (3, 23, 4, 4)],
-                          method="plain", max_concurrency=2, admission_hold=4)
+                          policy="plain", max_concurrency=2, admission_hold=4)
     assert four.stats.held_slot_steps == 0 and four.stats.prefill_calls == 3
     with pytest.raises(ValueError, match="admission_hold"):
-        DSparkEngine(target, method="plain", admission_hold=-1)
+        DSparkEngine(target, policy="plain", admission_hold=-1)
 
 
 def test_hold_budget_prices_each_generation_the_queue_fills():
@@ -403,7 +403,7 @@ def test_a_longer_queue_holds_longer(tiny_targets, queued, held):
     prompts = [p[0].tolist() for p in random_prompts(2 + queued, 6, target.config.vocab_size, seed=5)]
     max_new = [3, 6] + [4] * queued
     result = generate_batch(target, prompts, None, [SamplingParams(max_new_tokens=m) for m in max_new],
-                            method="plain", max_concurrency=2, admission_hold=0.5)
+                            policy="plain", max_concurrency=2, admission_hold=0.5)
     for prompt, m, out in zip(prompts, max_new, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, m)
     assert result.stats.summary()["held_slot_steps"] == held
@@ -415,9 +415,9 @@ def test_scheduler_on_and_off(tiny_targets, trained_drafters):
     target, drafter = tiny_targets["qwen3"], trained_drafters["qwen3"]
     prompts = in_distribution_prompts(target, 6)
     params = SamplingParams(max_new_tokens=24)
-    fixed = generate_batch(target, prompts, drafter, params, method="fixed")
-    flat = generate_batch(target, prompts, drafter, params, method="scheduled", sps=FLAT_SPS, cost_aware=False)
-    scheduled = generate_batch(target, prompts, drafter, params, method="scheduled", sps=DECREASING_SPS)
+    fixed = generate_batch(target, prompts, drafter, params, policy="fixed")
+    flat = generate_batch(target, prompts, drafter, params, policy="scheduler", sps=FLAT_SPS, cost_aware=False)
+    scheduled = generate_batch(target, prompts, drafter, params, policy="scheduler", sps=DECREASING_SPS)
     assert flat.stats.verify_tokens == fixed.stats.verify_tokens
     assert sum(scheduled.stats.verify_tokens) < sum(fixed.stats.verify_tokens)
     for a, b, c in zip(fixed.outputs, flat.outputs, scheduled.outputs):
@@ -430,7 +430,7 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
     probe = 3
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS, probe_interval=probe)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=PROHIBITIVE_SPS, probe_interval=probe)
     # probe as if a certain draft could pay (see the next test)
     engine.decisions.drafts_can_pay = lambda caps, table, rows=None: True
     engine.decisions.representative = lambda: True  # the realized gate may measure on the first step too
@@ -451,7 +451,7 @@ def test_no_drafting_when_even_certain_drafts_cannot_pay(tiny_targets, trained_d
     to pay, the pending features are projected and drafting starts. Outputs equal plain greedy."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=PROHIBITIVE_SPS)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=PROHIBITIVE_SPS)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     for _ in range(5):
         engine.step()
@@ -466,7 +466,7 @@ def test_no_drafting_when_even_certain_drafts_cannot_pay(tiny_targets, trained_d
                                    4: StepsPerSecond([4, 8, 32], [100.0, 1.0, 0.1])})
     max_new = [3, 3, 3, 20]
     result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
-                            method="scheduled", sps=sizes)
+                            policy="scheduler", sps=sizes)
     drafting = result.stats.drafting
     assert sum(drafting[:2]) == 0 and sum(drafting) > 0  # only once the last request is alone
     for prompt, m, out in zip(prompts, max_new, result.outputs):
@@ -481,7 +481,7 @@ def test_lone_drafts_wait_until_enough_rows_draft_together(tiny_targets, trained
     sps = BatchedStepsPerSecond({1: StepsPerSecond([1, 2, 8], [100.0, 72.0, 20.0])})
     max_new = [24, 6, 18, 9, 24, 13]
     result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
-                            method="scheduled", sps=sps, max_concurrency=4, cost_aware=False, probe_interval=1)
+                            policy="scheduler", sps=sps, max_concurrency=4, cost_aware=False, probe_interval=1)
     steps = list(zip(result.stats.active, result.stats.drafting))
     assert all(k == 0 or 100 * k > 38.9 * r for r, k in steps), steps
     assert any(k for _, k in steps)
@@ -497,7 +497,7 @@ def test_joining_requests_start_from_the_confidence_prior(tiny_targets, trained_
     g, probe = drafter.config.block_size, 3
     runs = {}
     for name, prior in (("off", None), ("none", "none"), ("zeros", 0.0), ("ones", 1.0)):
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS, cost_aware=False,
                               probe_interval=probe, confidence_prior=prior is not None)
         if isinstance(prior, float):
             engine.measurements.record_confidences([prior] * g, 1)
@@ -519,7 +519,7 @@ def test_the_confidence_prior_carries_over_to_a_new_engine(tiny_targets, trained
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     g, probe = drafter.config.block_size, 3
     prompts = in_distribution_prompts(target, 2)
-    first = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+    first = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS, cost_aware=False,
                          probe_interval=probe)
     for p in prompts:
         first.add_request(p, SamplingParams(max_new_tokens=10))
@@ -532,7 +532,7 @@ def test_the_confidence_prior_carries_over_to_a_new_engine(tiny_targets, trained
     loaded = EngineMeasurements.load(path)
     assert loaded.confidence_prior() == pytest.approx(prior) and loaded.confidence_count == drafted
     loaded.confidence_sum, loaded.confidence_count = [0.0] * g, 1  # a prior predicting nothing: wait for a probe
-    second = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+    second = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS, cost_aware=False,
                           probe_interval=probe, measurements=loaded)
     ids = [second.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
     second.run()
@@ -553,7 +553,7 @@ def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_draft
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     g = drafter.config.block_size
     for smoothing, drafts in ((0.1, True), (1.0, False)):
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS, cost_aware=False,
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS, cost_aware=False,
                               probe_interval=64, max_probe_interval=64, confidence_smoothing=smoothing,
                               online_correction=False)
         engine.add_request(in_distribution_prompts(target, 1)[0], SamplingParams(max_new_tokens=30))
@@ -566,7 +566,7 @@ def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_draft
         assert (engine.decisions.drafting_rows(caps, None) == [0]) is drafts
         assert engine.decisions.stale_confidences()[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
     with pytest.raises(ValueError, match="confidence_smoothing"):
-        DSparkEngine(target, drafter, method="scheduled", confidence_smoothing=1.5)
+        DSparkEngine(target, drafter, policy="scheduler", confidence_smoothing=1.5)
 
 
 def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_drafters):
@@ -576,7 +576,7 @@ def test_drafting_skipped_when_it_cannot_pay_for_itself(tiny_targets, trained_dr
     prompts = in_distribution_prompts(target, 4)
     results = {}
     for cost_aware in (True, False):
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=4,
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, probe_interval=4,
                               cost_aware=cost_aware)
         engine.measurements.draft_cost = {b: 10.0 for b in (1, 2, 4, 8)}  # seconds per drafter step: never worth it
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
@@ -602,7 +602,7 @@ def test_engine_remeasures_a_losing_drafting_side_on_its_own_budget():
     drafter = make_drafter(target)
 
     def plain_steps_until_remeasured(catch_up: float = 0.0, **kwargs) -> int:
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, **kwargs)
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, **kwargs)
         for _ in range(4):
             engine.measurements.record_step(16, True, emitted=22, seconds=0.08)
         steps, config = 0, engine.config
@@ -635,7 +635,7 @@ def test_realized_gate_decisions():
     sizes keep longer ones, ``realized_window``)."""
     target = make_target("llama")
     drafter = make_drafter(target)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, explore_interval=3,
                           max_explore_interval=12, explore_budget=0)  # the doubling wait alone
     assert engine.decisions.realized_gate
     assert engine.decisions.realized_allows_drafting(16)
@@ -684,21 +684,21 @@ def test_realized_gate_decisions():
         engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(16, False, emitted=4, seconds=0.4)
     assert engine.measurements.realized_rate(16, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
-    assert not DSparkEngine(target, drafter, method="scheduled", cost_aware=False).decisions.realized_gate
-    assert not DSparkEngine(target, drafter, method="fixed").decisions.realized_gate
+    assert not DSparkEngine(target, drafter, policy="scheduler", cost_aware=False).decisions.realized_gate
+    assert not DSparkEngine(target, drafter, policy="fixed").decisions.realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
-        DSparkEngine(target, drafter, method="scheduled", explore_interval=0)
+        DSparkEngine(target, drafter, policy="scheduler", explore_interval=0)
     with pytest.raises(ValueError, match="explore_budget must be in"):
-        DSparkEngine(target, drafter, method="scheduled", explore_budget=-0.1)
+        DSparkEngine(target, drafter, policy="scheduler", explore_budget=-0.1)
     with pytest.raises(ValueError, match="max_explore_interval"):
-        DSparkEngine(target, drafter, method="scheduled", explore_interval=8, max_explore_interval=4)
+        DSparkEngine(target, drafter, policy="scheduler", explore_interval=8, max_explore_interval=4)
 
 
 def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
     """Where the realized gate rules drafting out at a batch size, the step skips the confidences and schedules of
     the drafting decision (it could only end in "no drafting"); elsewhere the decision runs as before."""
     target = make_target("llama")
-    engine = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, explore_budget=0)
+    engine = DSparkEngine(target, make_drafter(target), policy="scheduler", sps=FLAT_SPS, explore_budget=0)
     for drafted, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 4, 0.04)):
         engine.measurements.record_step(4, drafted, emitted=emitted, seconds=seconds)  # drafting lost at 4 rows
     config = engine.config
@@ -722,7 +722,7 @@ def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trai
     table every step); a plain step the model chose is."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_budget=0,
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, explore_budget=0,
                           max_explore_interval=10_000, explore_interval=10_000)
     for drafted, emitted, seconds in ((True, 8, 1.0), (True, 8, 1.0), (False, 4, 0.01), (False, 4, 0.01)):
         engine.measurements.record_step(4, drafted, emitted=emitted, seconds=seconds)  # drafting lost at 4 rows
@@ -755,7 +755,7 @@ def test_probe_steps_check_the_cost_model():
     model would learn its own optimism (a winner's curse) and, its drafting factor pulled down, stop drafting where
     fixed-length drafting wins."""
     target = make_target("llama")
-    probing = DSparkEngine(target, make_drafter(target), method="scheduled", sps=FLAT_SPS, realized_gate=False,
+    probing = DSparkEngine(target, make_drafter(target), policy="scheduler", sps=FLAT_SPS, realized_gate=False,
                            probe_interval=2)
     probing.batch.rows[:] = [_fake_request(i, 2, 0.9, probing.block_size) for i in range(2)]
     probing.measurements.record_draft(2, 10.0)  # a drafter so slow that the model never drafts by itself
@@ -794,7 +794,7 @@ def test_realized_gate_stops_drafting_that_costs_more_than_the_model_knows(tiny_
     prompts = slow_catch_up
     results = {}
     for gate in (True, False):
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, realized_gate=gate,
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, realized_gate=gate,
                               explore_interval=3, probe_interval=1)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=64)) for p in prompts]
         engine.run()
@@ -817,7 +817,7 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
     drafting = []
     for _ in range(2):
         measurements = EngineMeasurements.load(path) if path.exists() else None
-        engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, explore_interval=3,
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, explore_interval=3,
                               probe_interval=1, measurements=measurements)
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=32)) for p in prompts]
         engine.run()
@@ -841,7 +841,7 @@ def test_measurements_carry_over_to_a_new_engine(tiny_targets, trained_drafters,
         EngineMeasurements.from_dict(old_format)
     assert loaded.realized_rate(4, True) < loaded.realized_rate(4, False)
     with pytest.raises(ValueError, match="other conditions.*model"):
-        DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], method="scheduled", measurements=loaded)
+        DSparkEngine(tiny_targets["qwen3"], trained_drafters["qwen3"], policy="scheduler", measurements=loaded)
     with pytest.raises(ValueError, match="not an engine measurements file"):
         EngineMeasurements.from_dict({"key": {}})
 
@@ -863,7 +863,7 @@ def test_context_catch_ups_are_timed_and_price_a_remeasurement(tiny_targets, tra
         return allowed(self, *args, **kwargs)
 
     monkeypatch.setattr(EngineMeasurements, "drafting_allowed", spy)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=1)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, probe_interval=1)
     pending_at_flush = []
     flush = DeferredDrafterContext.flush
 
@@ -923,7 +923,7 @@ def test_realized_gate_counts_the_batch_progress_of_each_step(tiny_targets, trai
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, probe_interval=1,
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, probe_interval=1,
                           gate_tokens=gate_tokens)
     recorded = []
     record = engine.measurements.record_step
@@ -968,7 +968,7 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
     is measured yet) nor is recorded in the gate's windows; the next step drafts and is recorded. Exact outputs."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 2)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS)
     assert engine.decisions.realized_gate
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.step()
@@ -989,7 +989,7 @@ def test_certain_draft_question_is_asked_once_when_every_row_drafts(tiny_targets
     import random
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS)
     rng = random.Random(0)
     g = engine.block_size
     for _ in range(40):
@@ -1059,11 +1059,11 @@ def test_moving_average():
 
 
 def test_every_registered_policy_runs_in_the_engine(tiny_targets):
-    """An engine's method is a name in generate()'s policy registry: a policy registered once decides for the
+    """An engine's policy is a name in generate()'s policy registry: a policy registered once decides for the
     engine's drafting rows too (here at most two drafts per row), its output equals plain decoding, and bench-serve
     takes its name. Settings come as one ``EngineConfig`` (keywords override its fields)."""
     from hf_dspark.engine import EngineConfig
-    from hf_dspark.engine.bench import parse_method
+    from hf_dspark.engine.bench import parse_policy
     from hf_dspark.scheduling import VERIFICATION_POLICIES, VerificationPolicy, register_verification_policy
 
     @register_verification_policy("at-most-two")
@@ -1077,30 +1077,69 @@ def test_every_registered_policy_runs_in_the_engine(tiny_targets):
     params = SamplingParams(max_new_tokens=12)
     try:
         plain = generate_batch(target, prompts, params=params)
-        config = EngineConfig(method="fixed")
-        out = generate_batch(target, prompts, drafter, params, config=config, method="at-most-two")
+        config = EngineConfig(policy="fixed")
+        out = generate_batch(target, prompts, drafter, params, config=config, policy="at-most-two")
         assert [o.token_ids for o in out.outputs] == [o.token_ids for o in plain.outputs]
         assert all(v <= 2 * a for v, a in zip(out.stats.verify_tokens, out.stats.active)) and sum(out.stats.drafting)
-        threshold = generate_batch(target, prompts, drafter, params, config=EngineConfig(method="threshold"))
+        threshold = generate_batch(target, prompts, drafter, params, config=EngineConfig(policy="threshold"))
         assert [o.token_ids for o in threshold.outputs] == [o.token_ids for o in plain.outputs]
-        assert parse_method("at-most-two") == {"method": "at-most-two"}
-        assert parse_method("scheduler")["schedule"] == "padded"
+        assert parse_policy("at-most-two") == {"policy": "at-most-two"}
+        assert parse_policy("scheduler")["schedule"] == "padded"
     finally:
         del VERIFICATION_POLICIES["at-most-two"]
+
+
+def test_policy_replaces_method_which_still_works_with_a_warning(tiny_targets):
+    """``EngineConfig.policy`` (default: the one every entry point shares); the old ``method=`` and the old name
+    ``"scheduled"`` still work, each with a FutureWarning; ``method`` still reads; two different values are refused.
+    Without a drafter the default decodes plain."""
+    from dataclasses import replace
+
+    from hf_dspark.engine import EngineConfig
+    from hf_dspark.policy_names import DEFAULT_POLICY
+
+    assert EngineConfig().policy == EngineConfig().method == DEFAULT_POLICY == "hybrid"
+    with pytest.warns(FutureWarning, match="method=.*policy="):
+        config = EngineConfig(method="fixed")
+    assert config.policy == config.method == "fixed"
+    assert replace(config, seed=1).policy == "fixed" and replace(config, policy="threshold").policy == "threshold"
+    with pytest.warns(FutureWarning, match="'scheduled' is deprecated; use 'scheduler'"):
+        assert EngineConfig(policy="scheduled").policy == "scheduler"
+    with pytest.raises(ValueError, match="policy='fixed' and method='scheduler' disagree"), pytest.warns(FutureWarning):
+        EngineConfig(policy="fixed", method="scheduler")
+    target = tiny_targets["llama"]
+    assert DSparkEngine(target).config.policy == "plain"
+    with pytest.warns(FutureWarning, match="method="):  # a keyword beside a config replaces its policy
+        assert DSparkEngine(target, config=EngineConfig(policy="fixed"), method="plain").config.policy == "plain"
+
+
+def test_engine_settings_that_override_the_drafters_warn(tiny_targets):
+    """Where the drafter's generation config sets a lookup n-gram length or a fixed verification length of its own,
+    the engine uses its ``EngineConfig`` value and says so."""
+    target = tiny_targets["llama"]
+    drafter = make_drafter(target)
+    drafter.generation_config.lookup_max_ngram = 3
+    with pytest.warns(UserWarning, match="EngineConfig.lookup_max_ngram=4, not the drafter's "
+                                         "generation_config.lookup_max_ngram=3"):
+        engine = DSparkEngine(target, drafter, policy="hybrid", sps=FLAT_SPS)
+    assert engine.decisions.policy.max_ngram == 4
+    drafter.generation_config.num_verify_tokens = 2
+    with pytest.warns(UserWarning, match="EngineConfig.num_verify_tokens=None, not the drafter's"):
+        DSparkEngine(target, drafter, policy="fixed")
 
 
 def test_bad_requests_raise(tiny_targets):
     target = tiny_targets["llama"]
     with pytest.raises(ValueError, match="needs a DSpark drafter"):
-        DSparkEngine(target, None, method="fixed")
+        DSparkEngine(target, None, policy="fixed")
     with pytest.raises(ValueError, match="confidence head"):
-        DSparkEngine(target, make_drafter(target, confidence=False), method="scheduled")
+        DSparkEngine(target, make_drafter(target, confidence=False), policy="scheduler")
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="max_prefill_tokens"):
-        DSparkEngine(target, method="plain", max_prefill_tokens=0)
+        DSparkEngine(target, policy="plain", max_prefill_tokens=0)
     with pytest.raises(ValueError, match="prefill_cost must be a PrefillCost"):
-        DSparkEngine(target, method="plain", prefill_cost=(56, 1800))
+        DSparkEngine(target, policy="plain", prefill_cost=(56, 1800))
     engine = DSparkEngine(target)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([])
@@ -1108,7 +1147,7 @@ def test_bad_requests_raise(tiny_targets):
     with pytest.raises(ValueError, match="duplicate"):
         engine.add_request([3], request_id="a")
     with pytest.raises(ValueError, match="SPS profile covers"):
-        small = DSparkEngine(target, make_drafter(target), method="scheduled", sps=StepsPerSecond([1, 2], [2.0, 1.0]))
+        small = DSparkEngine(target, make_drafter(target), policy="scheduler", sps=StepsPerSecond([1, 2], [2.0, 1.0]))
         for p in ([1], [2], [3]):
             small.add_request(p)
         small.step()
@@ -1299,7 +1338,7 @@ def test_first_profile_is_not_timed_as_a_step(tiny_targets, monkeypatch):
         return DECREASING_SPS
 
     monkeypatch.setattr(profiling, "load_or_profile_batched", slow_profile)
-    engine = DSparkEngine(target, make_drafter(target), method="scheduled")
+    engine = DSparkEngine(target, make_drafter(target), policy="scheduler")
     engine.add_request(random_prompts(1, 6, target.config.vocab_size)[0], SamplingParams(max_new_tokens=4))
     engine.run()
     steps = [step for window in engine.measurements.realized.values() for step in window]
@@ -1331,7 +1370,7 @@ def test_first_profile_holds_kernel_compiles_back_on_cuda(tiny_targets, monkeypa
 
     monkeypatch.setattr(scheduler, "WARMUP", Warmup())
     monkeypatch.setattr(profiling, "load_or_profile_batched", profile)
-    engine = DSparkEngine(target, make_drafter(target), method="scheduled")
+    engine = DSparkEngine(target, make_drafter(target), policy="scheduler")
     engine.pricing.profiled_table(2)
     assert held == ["profiled"]  # on CPU nothing compiles: nothing to hold
     engine.pricing.sps, engine.pricing._tables = None, {}
@@ -1461,7 +1500,7 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
-    methods = ["plain", "fixed", "fixed=2", "scheduled", "scheduled=topk"]
+    methods = ["plain", "fixed", "fixed=2", "scheduler", "scheduler=topk"]
     report = bench_serve(target, drafter, prompts, methods, [1, 3], max_new_tokens=12, sps=DECREASING_SPS,
                          repeats=2, log=lambda line: None)
     for method in methods:
@@ -1487,7 +1526,7 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
                     math.exp(abs(logs[0] - logs[1]) / 2))  # two repeats: s.d. |a - b| / sqrt 2, over sqrt 2
             # scheduled methods against each fixed-length method (run k of each in the same repeat); no others
             for fixed in ("fixed", "fixed=2"):
-                if method.startswith("scheduled"):
+                if method.startswith("scheduler"):
                     fixed_runs = report["results"][fixed][concurrency]["runs_tokens_per_s"]
                     assert row[f"vs_{fixed}"]["paired"] == pytest.approx(
                         [a / b for a, b in zip(row["runs_tokens_per_s"], fixed_runs)])
@@ -1498,10 +1537,10 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
     assert report["results"]["fixed"]["3"]["mean_verify_tokens_per_step"] > 3
     assert plot_bench(report, tmp_path / "serve.png").stat().st_size > 0
     # Each scheduled method's engines shared one set of measurements: steps at both concurrencies are in it.
-    assert set(report["measurements"]) == {"scheduled", "scheduled=topk"}
-    sizes = {rows for rows, _, *_ in report["measurements"]["scheduled"]["realized"]}
+    assert set(report["measurements"]) == {"scheduler", "scheduler=topk"}
+    sizes = {rows for rows, _, *_ in report["measurements"]["scheduler"]["realized"]}
     assert {1, 3} <= sizes
-    cold = bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+    cold = bench_serve(target, drafter, prompts, ["scheduler"], [1], max_new_tokens=4, sps=DECREASING_SPS,
                        share_measurements=False, log=lambda line: None)
     assert cold["measurements"] == {}
     # A later bench starts where this report's engines left off (a server that learned the machine already)
@@ -1511,25 +1550,25 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
 
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
-    start = measurements_from_report(path, ["plain", "scheduled", "scheduled=topk"])
-    assert set(start) == {"scheduled", "scheduled=topk"}
-    assert start["scheduled"].to_dict()["realized"] == report["measurements"]["scheduled"]["realized"]
-    warm = bench_serve(target, drafter, prompts, ["scheduled"], [3], max_new_tokens=4, sps=DECREASING_SPS,
-                       warmup=False, measurements={"scheduled": start["scheduled"]}, log=lambda line: None)
-    before = {(rows, drafted): len(w) for rows, drafted, w in report["measurements"]["scheduled"]["realized"]}
-    after = {(rows, drafted): len(w) for rows, drafted, w in warm["measurements"]["scheduled"]["realized"]}
+    start = measurements_from_report(path, ["plain", "scheduler", "scheduler=topk"])
+    assert set(start) == {"scheduler", "scheduler=topk"}
+    assert start["scheduler"].to_dict()["realized"] == report["measurements"]["scheduler"]["realized"]
+    warm = bench_serve(target, drafter, prompts, ["scheduler"], [3], max_new_tokens=4, sps=DECREASING_SPS,
+                       warmup=False, measurements={"scheduler": start["scheduler"]}, log=lambda line: None)
+    before = {(rows, drafted): len(w) for rows, drafted, w in report["measurements"]["scheduler"]["realized"]}
+    after = {(rows, drafted): len(w) for rows, drafted, w in warm["measurements"]["scheduler"]["realized"]}
     assert all(after.get(key, 0) >= n for key, n in before.items())  # it kept what it started from, and added
     saved = tmp_path / "engine.json"
-    start["scheduled"].save(saved)
-    assert set(measurements_from_report(saved, ["scheduled", "scheduled=prefix"])) == {"scheduled", "scheduled=prefix"}
+    start["scheduler"].save(saved)
+    assert set(measurements_from_report(saved, ["scheduler", "scheduler=prefix"])) == {"scheduler", "scheduler=prefix"}
     with pytest.raises(ValueError, match="not for method"):
-        measurements_from_report(path, ["scheduled=prefix"])
+        measurements_from_report(path, ["scheduler=prefix"])
     with pytest.raises(ValueError, match="not scheduled methods"):
-        bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
-                    measurements={"plain": start["scheduled"]}, log=lambda line: None)
+        bench_serve(target, drafter, prompts, ["scheduler"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+                    measurements={"plain": start["scheduler"]}, log=lambda line: None)
     with pytest.raises(ValueError, match="share_measurements"):
-        bench_serve(target, drafter, prompts, ["scheduled"], [1], max_new_tokens=4, sps=DECREASING_SPS,
-                    share_measurements=False, measurements={"scheduled": start["scheduled"]}, log=lambda line: None)
+        bench_serve(target, drafter, prompts, ["scheduler"], [1], max_new_tokens=4, sps=DECREASING_SPS,
+                    share_measurements=False, measurements={"scheduler": start["scheduler"]}, log=lambda line: None)
 
 
 def test_against_baseline():
@@ -1573,7 +1612,7 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
                                          default=done.get(self, 0))
         started = time.perf_counter()
         events = original(self)
-        steps.append((self, self.method, time.perf_counter() - started))
+        steps.append((self, self.config.policy, time.perf_counter() - started))
         for event in events:
             done[self] = done.get(self, 0) + len(event.token_ids)
             if event.finished:
@@ -1582,7 +1621,7 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
 
     monkeypatch.setattr(bench, "_engine", engine)
     monkeypatch.setattr(batching.DSparkEngine, "step", recording)
-    methods = ["plain", "fixed", "scheduled"]
+    methods = ["plain", "fixed", "scheduler"]
     started = time.perf_counter()
     report = bench.bench_serve(target, drafter, prompts, methods, [3], max_new_tokens=max_new_tokens,
                                sps=DECREASING_SPS, repeats=2, warmup=False, lockstep=True, log=lambda line: None)
@@ -1601,7 +1640,7 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
         row = report["results"][method]["3"]
         assert row["identical_to_plain"] == "5/5" and row["tokens"] == 50 and len(row["runs_tokens_per_s"]) == 2
         assert row["lockstep"]
-        if method != "scheduled":  # each method's own engine's stats (whether scheduled drafts depends on timings)
+        if method != "scheduler":  # each method's own engine's stats (whether scheduled drafts depends on timings)
             assert (row["mean_verify_tokens_per_step"] > 0) == (method == "fixed")
         # each run is timed on its own engine's steps only
         for repeat, rate in enumerate(row["runs_tokens_per_s"]):
@@ -1620,7 +1659,7 @@ def test_engine_request_times_follow_its_clock(tiny_targets):
 
     target = tiny_targets["llama"]
     clock = StepClock()
-    engine = DSparkEngine(target, None, method="plain", clock=clock)
+    engine = DSparkEngine(target, None, policy="plain", clock=clock)
     request = engine.add_request(in_distribution_prompts(target, 1)[0], SamplingParams(max_new_tokens=4))
     steps = 0
     while engine.has_unfinished():
@@ -1681,17 +1720,17 @@ def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_tar
     calls, served = [], bench.serve_request
 
     def recording(engine, prompt, params, target=None):
-        calls.append((engine.method, prompts.index(prompt)))
+        calls.append((engine.config.policy, prompts.index(prompt)))
         return served(engine, prompt, params, target)
 
     monkeypatch.setattr(bench, "serve_request", recording)
-    methods = ["plain", "fixed", "scheduled"]
+    methods = ["plain", "fixed", "scheduler"]
     report = bench.bench_interleaved(target, drafter, prompts, methods, max_new_tokens=10, sps=DECREASING_SPS,
                                      repeats=2, warmup=False, log=lambda line: None)
     # each prompt with every method back to back, the order rotating with the prompt; the odd pass serves each prompt
     # in the reverse of its order in the pass before, so a method follows each other as often as it precedes it
     assert [index for _, index in calls] == [i for _ in range(2) for i in range(4) for _ in range(3)]
-    p, f, s = "plain", "fixed", "scheduled"
+    p, f, s = "plain", "fixed", "scheduler"
     assert [method for method, _ in calls] == [p, f, s, f, s, p, s, p, f, p, f, s,  # pass 1
                                                s, f, p, p, s, f, f, p, s, s, f, p]  # pass 2: each prompt's reversed
     for method in methods:
@@ -1704,16 +1743,16 @@ def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_tar
         assert row["tokens_per_s"] == pytest.approx(2 / sum(1 / r for r in row["runs_tokens_per_s"]))
         assert row["mean_active_requests"] == 1  # one long-lived engine per method, one request at a time
     assert set(report["results"]["fixed"]["1"]) >= {"vs_plain"} and "vs_fixed" not in report["results"]["fixed"]["1"]
-    versus = report["results"]["scheduled"]["1"]["vs_fixed"]
+    versus = report["results"]["scheduler"]["1"]["vs_fixed"]
     assert versus["requests"] == 8 and versus["groups"] == 4
     plain_rate = report["results"]["plain"]["1"]["tokens_per_s"]
-    for method in ("fixed", "scheduled"):  # the method's pooled rate over plain's (the same tokens on both sides)
+    for method in ("fixed", "scheduler"):  # the method's pooled rate over plain's (the same tokens on both sides)
         row = report["results"][method]["1"]
         assert row["vs_plain"]["aggregate"] == pytest.approx(row["tokens_per_s"] / plain_rate)
-    assert versus["aggregate"] == pytest.approx(report["results"]["scheduled"]["1"]["tokens_per_s"]
+    assert versus["aggregate"] == pytest.approx(report["results"]["scheduler"]["1"]["tokens_per_s"]
                                                 / report["results"]["fixed"]["1"]["tokens_per_s"])
     assert report["results"]["plain"]["1"]["mean_verify_tokens_per_step"] == 0
-    assert set(report["measurements"]) == {"scheduled"}
+    assert set(report["measurements"]) == {"scheduler"}
     calls.clear()  # two methods: each prompt's two passes go both ways
     bench.bench_interleaved(target, drafter, prompts[:2], ["plain", "fixed"], max_new_tokens=4, repeats=2,
                             warmup=False, log=lambda line: None)
@@ -1734,15 +1773,15 @@ def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_l
         return out
 
     monkeypatch.setattr(bench, "run_lockstep", recording)
-    methods = ["plain", "fixed", "scheduled"]
-    assert bench.lockstep_pairs({m: bench.parse_method(m) for m in methods}) == [
-        ("plain", "fixed"), ("plain", "scheduled"), ("fixed", "scheduled")]
+    methods = ["plain", "fixed", "scheduler"]
+    assert bench.lockstep_pairs({m: bench.parse_policy(m) for m in methods}) == [
+        ("plain", "fixed"), ("plain", "scheduler"), ("fixed", "scheduler")]
     report = bench.bench_serve(target, drafter, prompts, methods, [2], max_new_tokens=6, sps=DECREASING_SPS,
                                repeats=2, warmup=False, lockstep="pairs", log=lambda line: None)
     # two engines a lockstep, every comparison once a repeat, the first pair rotating with the repeat
     assert [sorted(run) for run in locksteps] == [sorted(p) for p in (
-        ("plain", "fixed"), ("plain", "scheduled"), ("fixed", "scheduled"),
-        ("plain", "scheduled"), ("fixed", "scheduled"), ("plain", "fixed"))]
+        ("plain", "fixed"), ("plain", "scheduler"), ("fixed", "scheduler"),
+        ("plain", "scheduler"), ("fixed", "scheduler"), ("plain", "fixed"))]
 
     def beside(name, partner):  # name's tokens/s in the locksteps it shared with partner, in order
         return [run[name] for run in locksteps if set(run) == {name, partner}]
@@ -1751,15 +1790,15 @@ def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_l
     assert [rows[m]["lockstep_partner"] for m in methods] == ["fixed", "plain", "plain"]
     assert all(rows[m]["lockstep"] == "pairs" and rows[m]["identical_to_plain"] == "4/4" for m in methods)
     assert rows["plain"]["runs_tokens_per_s"] == beside("plain", "fixed")
-    assert rows["scheduled"]["runs_tokens_per_s"] == beside("scheduled", "plain")
-    assert {p: runs["runs_tokens_per_s"] for p, runs in rows["scheduled"]["runs_beside"].items()} == {
-        "plain": beside("scheduled", "plain"), "fixed": beside("scheduled", "fixed")}
+    assert rows["scheduler"]["runs_tokens_per_s"] == beside("scheduler", "plain")
+    assert {p: runs["runs_tokens_per_s"] for p, runs in rows["scheduler"]["runs_beside"].items()} == {
+        "plain": beside("scheduler", "plain"), "fixed": beside("scheduler", "fixed")}
     assert [len(runs["runs_counts"]) for runs in rows["plain"]["runs_beside"].values()] == [2, 2]
-    for name, other in (("fixed", "plain"), ("scheduled", "plain"), ("scheduled", "fixed")):
+    for name, other in (("fixed", "plain"), ("scheduler", "plain"), ("scheduler", "fixed")):
         assert rows[name][f"vs_{other}"]["paired"] == pytest.approx(
             [a / b for a, b in zip(beside(name, other), beside(other, name))])
     with pytest.raises(ValueError, match=r"\[.fixed., .fixed=2.\] would be compared with nothing"):
-        bench.lockstep_pairs({m: bench.parse_method(m) for m in ("fixed", "fixed=2")})
+        bench.lockstep_pairs({m: bench.parse_policy(m) for m in ("fixed", "fixed=2")})
     with pytest.raises(ValueError, match="lockstep must be"):
         bench.bench_serve(target, drafter, prompts, methods, [2], max_new_tokens=6, sps=DECREASING_SPS,
                           warmup=False, lockstep="triples", log=lambda line: None)
@@ -1799,7 +1838,7 @@ def test_serve_runs_every_prompt(tiny_targets):
 
     target = tiny_targets["llama"]
     prompts = in_distribution_prompts(target, 3)
-    engine = DSparkEngine(target, None, method="plain", max_concurrency=2)
+    engine = DSparkEngine(target, None, policy="plain", max_concurrency=2)
     tokens, wall = serve(engine, prompts, 5)
     assert tokens == 15 and wall > 0 and not engine.has_unfinished()
     assert [engine.outputs[str(i)].token_ids for i in range(3)] == [plain_greedy(target, p, 5) for p in prompts]
@@ -1823,7 +1862,7 @@ def test_cli_bench_serve_rejects_unknown_method(capsys):
 
     assert main(["bench-serve", "--prompts", "nowhere", "--policies", "plain", "speculative"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown method 'speculative'" in err[0]
+    assert len(err) == 1 and "unknown policy 'speculative'" in err[0]
 
 
 @pytest.mark.slow
@@ -1843,7 +1882,7 @@ def test_smollm2_engine_greedy_equality():
                for q in questions]
     expected = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
-    for kwargs in (dict(method="fixed"), dict(method="scheduled", sps=DECREASING_SPS)):
+    for kwargs in (dict(policy="fixed"), dict(policy="scheduler", sps=DECREASING_SPS)):
         result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=16), max_concurrency=2,
                                 **kwargs)
         assert [o.token_ids for o in result.outputs] == expected, origin
@@ -1861,7 +1900,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     calls wide blocks free stops being believed once wide blocks turn out slow. Outputs stay exact."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True, cost_aware=False)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, adapt_sps=True, cost_aware=False)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=16)) for p in prompts]
     engine.step()  # prefill + a first step, at the profile's word
     rows = engine.num_active
@@ -1878,7 +1917,7 @@ def test_measured_steps_reprice_the_budget(tiny_targets, trained_drafters):
     assert all(w == 1 for w in engine.stats.widths[before:])  # every wider block now costs more than it can gain
     for request_id, prompt in zip(ids, prompts):
         assert engine.outputs[request_id].token_ids == plain_greedy(target, prompt, 16)
-    assert not DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS).pricing.adapt_sps  # a given SPS kept
+    assert not DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS).pricing.adapt_sps  # a given SPS kept
 
 
 def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets, trained_drafters):
@@ -1892,7 +1931,7 @@ def test_repricing_combines_the_profile_shape_with_measured_timings(tiny_targets
     from hf_dspark.engine.pricing import PRICE_PRIOR_TIMINGS
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=FLAT_SPS, adapt_sps=True)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, adapt_sps=True)
     assert engine.pricing.sps_table(4) is engine.pricing.profiled_table(4)  # nothing measured: the profile as is
     base = 0.01  # the profile's seconds per step
 
@@ -2092,31 +2131,31 @@ def test_leaving_rows_are_filled_from_the_tail():
 
 
 def test_bench_method_specs():
-    from hf_dspark.engine.bench import parse_method
+    from hf_dspark.engine.bench import parse_policy
 
-    assert parse_method("plain") == {"method": "plain"}
-    assert parse_method("fixed=2") == {"method": "fixed", "num_verify_tokens": 2}
-    assert parse_method("scheduled") == {"method": "scheduled", "schedule": "padded"}
-    assert parse_method("scheduled=ungated") == {"method": "scheduled", "schedule": "padded", "realized_gate": False}
-    assert parse_method("scheduled=topk,ungated") == {"method": "scheduled", "schedule": "topk",
+    assert parse_policy("plain") == {"policy": "plain"}
+    assert parse_policy("fixed=2") == {"policy": "fixed", "num_verify_tokens": 2}
+    assert parse_policy("scheduler") == {"policy": "scheduler", "schedule": "padded"}
+    assert parse_policy("scheduler=ungated") == {"policy": "scheduler", "schedule": "padded", "realized_gate": False}
+    assert parse_policy("scheduler=topk,ungated") == {"policy": "scheduler", "schedule": "topk",
                                                       "realized_gate": False}
-    assert parse_method("scheduled,emitted") == {"method": "scheduled", "schedule": "padded",
+    assert parse_policy("scheduler,emitted") == {"policy": "scheduler", "schedule": "padded",
                                                  "gate_tokens": "emitted"}
-    assert parse_method("scheduled=prefix,emitted,ungated") == {"method": "scheduled", "schedule": "prefix",
+    assert parse_policy("scheduler=prefix,emitted,ungated") == {"policy": "scheduler", "schedule": "prefix",
                                                                 "gate_tokens": "emitted", "realized_gate": False}
-    assert parse_method("plain,hold=0") == {"method": "plain", "admission_hold": 0.0}
-    assert parse_method("fixed=3,hold=1") == {"method": "fixed", "num_verify_tokens": 3, "admission_hold": 1.0}
-    assert parse_method("scheduled=prefix,ungated,hold=0.25") == {
-        "method": "scheduled", "schedule": "prefix", "realized_gate": False, "admission_hold": 0.25}
+    assert parse_policy("plain,hold=0") == {"policy": "plain", "admission_hold": 0.0}
+    assert parse_policy("fixed=3,hold=1") == {"policy": "fixed", "num_verify_tokens": 3, "admission_hold": 1.0}
+    assert parse_policy("scheduler=prefix,ungated,hold=0.25") == {
+        "policy": "scheduler", "schedule": "prefix", "realized_gate": False, "admission_hold": 0.25}
     from hf_dspark.engine import PrefillCost
 
-    assert parse_method("plain,prefill=1e9,hold=0") == {"method": "plain", "admission_hold": 0.0,
+    assert parse_policy("plain,prefill=1e9,hold=0") == {"policy": "plain", "admission_hold": 0.0,
                                                          "prefill_cost": PrefillCost(fixed_tokens=1e9)}
-    for bad in ("scheduled=fast", "scheduled=topk,prefix", "fixed=x", "greedy", "plain,hold=-1", "plain,hold=x",
+    for bad in ("scheduler=fast", "scheduler=topk,prefix", "fixed=x", "greedy", "plain,hold=-1", "plain,hold=x",
                 "plain,hold", "plain,ungated", "fixed,ungated", "plain,emitted", "plain,prefill=-1",
                 "plain,prefill=inf"):
         with pytest.raises(ValueError, match=repr(bad)):
-            parse_method(bad)
+            parse_policy(bad)
 
 
 def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trained_drafters):
@@ -2145,7 +2184,7 @@ def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trai
         measurements.record_model_check(4, True, 20.0, 0.0, 10, 0.1)
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
-    engine = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS)
     engine.measurements.record_draft(4, 0.001)  # a cheap drafter
     stale = torch.full((4, drafter.config.block_size), 0.9)
     table = engine.pricing.sps_table(4)
@@ -2156,7 +2195,7 @@ def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trai
         engine.measurements.record_model_check(4, True, 10.0, 0.01, 2, 0.01)
     assert not engine.decisions.drafting_pays(stale, predicted, table, 4) and engine.decisions.prediction is None
 
-    served = DSparkEngine(target, drafter, method="scheduled", sps=DECREASING_SPS)
+    served = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS)
     prompts = in_distribution_prompts(target, 3)
     ids = [served.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
     served.run()
@@ -2192,11 +2231,11 @@ def test_bench_compiles_the_scheduler_kernels_before_anything_is_timed(monkeypat
         return types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device(device))]))
 
     drafter = types.SimpleNamespace(config=types.SimpleNamespace(block_size=7))
-    specs = {m: bench.parse_method(m) for m in ("plain", "fixed", "scheduled=topk", "hybrid")}
+    specs = {m: bench.parse_policy(m) for m in ("plain", "fixed", "scheduler=topk", "hybrid")}
     assert bench.compile_scheduler_kernels(model_on("cuda"), drafter, specs, [1, 16, 64], log=lambda m: None)
     assert calls == [("cuda", 64, 7, ("prefix", "topk", "width")), ("wait", bench.KERNEL_COMPILE_WAIT_S)]
     calls.clear()
     assert bench.compile_scheduler_kernels(model_on("cpu"), drafter, specs, [4], log=lambda m: None) is None
-    plain_only = {m: bench.parse_method(m) for m in ("plain", "fixed")}
+    plain_only = {m: bench.parse_policy(m) for m in ("plain", "fixed")}
     assert bench.compile_scheduler_kernels(model_on("cuda"), drafter, plain_only, [4], log=lambda m: None) is None
     assert calls == []

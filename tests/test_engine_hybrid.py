@@ -1,4 +1,4 @@
-"""The engine's "hybrid" method: per request, a prompt-lookup draft that pays replaces the drafter's block for the
+"""The engine's "hybrid" policy: per request, a prompt-lookup draft that pays replaces the drafter's block for the
 step. Greedy outputs equal plain ``generate()``; sampled outputs keep the target's distribution (a lookup draft's q
 is one-hot), and a wrong q is caught by the same test."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_dspark.engine import DSparkEngine, SamplingParams, generate_batch
-from hf_dspark.engine.bench import parse_method
+from hf_dspark.engine.bench import parse_policy
 from tests.helpers import make_drafter
 from tests.test_engine import (
     DECREASING_SPS,
@@ -20,7 +20,7 @@ from tests.test_engine import sampling_setup  # noqa: F401  (the module fixture)
 from tests.test_sampling import chi_square_pvalue
 
 # cost_aware=False: whether the drafter's block pays for its MEASURED time depends on the machine's load
-HYBRID = dict(method="hybrid", sps=DECREASING_SPS, cost_aware=False)
+HYBRID = dict(policy="hybrid", sps=DECREASING_SPS, cost_aware=False)
 
 
 def repeated(prompt: list[int]) -> list[int]:
@@ -59,7 +59,7 @@ def test_hybrid_mixes_lookup_and_block_rows_in_one_step(tiny_targets, trained_dr
     prompts = [repeated(base[0]), base[1], repeated(base[2]), base[3]]
     params = SamplingParams(max_new_tokens=24)
     # a flat SPS: any draft with a chance is worth verifying, so block and lookup rows both verify every step
-    result = generate_batch(target, prompts, drafter, params, method="hybrid", sps=FLAT_SPS, cost_aware=False)
+    result = generate_batch(target, prompts, drafter, params, policy="hybrid", sps=FLAT_SPS, cost_aware=False)
     for prompt, out in zip(prompts, result.outputs):
         assert out.token_ids == plain_greedy(target, prompt, 24)
     assert any({"lookup", "block"} <= set(step) for step in sources_by_step(result.outputs)), \
@@ -71,33 +71,33 @@ def test_hybrid_mixes_lookup_and_block_rows_in_one_step(tiny_targets, trained_dr
     monkeypatch.setattr(type(drafter), "forward",
                         lambda self, *args, **kwargs: forwards.append(1) or original(self, *args, **kwargs))
     alone = repeated(base[0] + base[0])
-    result = generate_batch(target, [alone], drafter, params, method="hybrid", sps=FLAT_SPS, cost_aware=False)
+    result = generate_batch(target, [alone], drafter, params, policy="hybrid", sps=FLAT_SPS, cost_aware=False)
     assert result.outputs[0].token_ids == plain_greedy(target, alone, 24)
     assert any(lookups and not drafting for lookups, drafting in zip(result.stats.lookups, result.stats.drafting))
     assert len(forwards) == sum(1 for d in result.stats.drafting if d)
 
 
 def test_hybrid_is_a_method_with_options():
-    assert parse_method("hybrid") == {"method": "hybrid", "schedule": "padded"}
-    assert parse_method("hybrid=prefix,ungated") == {"method": "hybrid", "schedule": "prefix", "realized_gate": False}
+    assert parse_policy("hybrid") == {"policy": "hybrid", "schedule": "padded"}
+    assert parse_policy("hybrid=prefix,ungated") == {"policy": "hybrid", "schedule": "prefix", "realized_gate": False}
     with pytest.raises(ValueError, match="hybrid"):
-        parse_method("hybrid=nope")
+        parse_policy("hybrid=nope")
 
 
 def test_hybrid_validation(tiny_targets):
     target = tiny_targets["llama"]
     with pytest.raises(ValueError, match="hybrid"):
-        DSparkEngine(target, method="nope")  # the expected methods are listed
+        DSparkEngine(target, policy="nope")  # the expected policies are listed
     with pytest.raises(ValueError, match="confidence head"):
-        DSparkEngine(target, make_drafter(target, confidence=False), method="hybrid")
+        DSparkEngine(target, make_drafter(target, confidence=False), policy="hybrid")
     with pytest.raises(ValueError, match="lookup_max_ngram"):
-        DSparkEngine(target, make_drafter(target), method="hybrid", lookup_max_ngram=0)
+        DSparkEngine(target, make_drafter(target), policy="hybrid", lookup_max_ngram=0)
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Sampling: a lookup draft's q is one-hot
 # ------------------------------------------------------------------------------------------------------------------
-SAMPLING_HYBRID = dict(method="hybrid", sps=DECREASING_SPS, cost_aware=False)  # per-request curve: 3000 rows
+SAMPLING_HYBRID = dict(policy="hybrid", sps=DECREASING_SPS, cost_aware=False)  # per-request curve: 3000 rows
 
 
 def test_hybrid_sampling_matches_target_distribution_per_request(sampling_setup):  # noqa: F811
@@ -127,7 +127,7 @@ def test_the_realized_gate_judges_offers_with_the_block(tiny_targets, trained_dr
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = [repeated(p) for p in in_distribution_prompts(target, 2)]
     params = SamplingParams(max_new_tokens=20)
-    open_engine = DSparkEngine(target, drafter, method="hybrid", sps=FLAT_SPS, explore_budget=0)
+    open_engine = DSparkEngine(target, drafter, policy="hybrid", sps=FLAT_SPS, explore_budget=0)
     for prompt in prompts:
         open_engine.add_request(prompt, params)
     recorded = []
@@ -139,7 +139,7 @@ def test_the_realized_gate_judges_offers_with_the_block(tiny_targets, trained_dr
     assert any(offered), "lookup must fire on repeated text for the test to exercise it"
     assert True in recorded  # steps with offers (or blocks) enter the gate's drafting side
 
-    closed = DSparkEngine(target, drafter, method="hybrid", sps=FLAT_SPS, explore_budget=0, explore_interval=64,
+    closed = DSparkEngine(target, drafter, policy="hybrid", sps=FLAT_SPS, explore_budget=0, explore_interval=64,
                           max_explore_interval=64)  # no re-measurement within these 20 tokens
     for drafted_step, emitted, seconds in ((True, 8, 0.1), (True, 8, 0.1), (False, 4, 0.04), (False, 4, 0.04)):
         closed.measurements.record_step(2, drafted_step, emitted=emitted, seconds=seconds)  # drafting lost at 2 rows

@@ -39,7 +39,7 @@ def plain(target, prompt: list[int], new_tokens: int) -> list[int]:
 ])
 def test_a_bad_request_is_refused_when_it_arrives(models, prompt, params, message):
     target, drafter = models
-    engine = DSparkEngine(target, drafter, method="fixed")
+    engine = DSparkEngine(target, drafter, policy="fixed")
     with pytest.raises(ValueError, match="request 'bad'") as refused:
         engine.add_request(prompt, params, request_id="bad")
     assert message in str(refused.value)
@@ -64,7 +64,7 @@ class FailsAfter(StoppingCriteria):
 
 def test_a_failing_request_ends_alone(models):
     target, drafter = models
-    engine = DSparkEngine(target, drafter, method="fixed")
+    engine = DSparkEngine(target, drafter, policy="fixed")
     prompts = {"a": [3, 4, 5, 6], "b": [7, 8, 9], "c": [10, 11, 12, 13, 14]}
     for rid, prompt in prompts.items():
         criteria = [FailsAfter(len(prompt) + 5)] if rid == "b" else []
@@ -80,7 +80,7 @@ def test_a_failing_request_ends_alone(models):
 
 def test_abort_frees_the_slot(models):
     target, drafter = models
-    engine = DSparkEngine(target, drafter, method="fixed", max_concurrency=2)
+    engine = DSparkEngine(target, drafter, policy="fixed", max_concurrency=2)
     for rid in ("a", "b", "c"):
         engine.add_request([3, 4, 5 + len(rid)], SamplingParams(max_new_tokens=24), request_id=rid)
     engine.step()  # a and b run, c waits
@@ -99,7 +99,7 @@ def test_a_seed_repeats_a_sampled_request(models):
     params = SamplingParams(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)
 
     def sampled(others: int) -> list[int]:
-        engine = DSparkEngine(target, drafter, method="fixed", seed=others)
+        engine = DSparkEngine(target, drafter, policy="fixed", seed=others)
         engine.add_request([3, 4, 5], params, request_id="seeded")
         for i in range(others):
             engine.add_request([9, 8, 7 + i], SamplingParams(max_new_tokens=12, do_sample=True), request_id=str(i))
@@ -115,7 +115,7 @@ def _load(target, drafter, requests: int, seed: int = 0):
     one bad request and one abort mid-run."""
     rng = random.Random(seed)
     tokenizer = char_tokenizer(target.config.vocab_size)
-    engine = DSparkEngine(target, drafter, method="fixed", max_concurrency=6, tokenizer=tokenizer)
+    engine = DSparkEngine(target, drafter, policy="fixed", max_concurrency=6, tokenizer=tokenizer)
     pending = []
     for i in range(requests):
         prompt = [rng.randrange(2, 120) for _ in range(rng.randrange(1, 60))]

@@ -34,7 +34,7 @@ def installed(tmp_path_factory) -> Path:
     """The wheel built from a copy of the sources (the checkout gets no build/ folder) and installed into a folder."""
     source = tmp_path_factory.mktemp("source")
     shutil.copytree(REPO / "hf_dspark", source / "hf_dspark", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "hf_dspark_entry.py"):
         shutil.copy(REPO / name, source / name)
     wheels = tmp_path_factory.mktemp("wheels")
     build = subprocess.run(

@@ -99,3 +99,48 @@ def test_too_few_rounds_say_nothing(tmp_path, counted):
     target = make_family_target("llama")
     profiling.load_or_profile(target, 8, folder=tmp_path)
     assert profiling.check_against_rounds(target, _stats({1: 1, 4: 1, 8: 1}, rounds=3), 10, tmp_path) is None
+
+
+def test_a_round_that_confirms_the_fastest_times_settles_the_profile():
+    assert profiling.settled({1: 1.0, 4: 2.0}, {1: 0.99, 4: 2.04})  # within SETTLED, either way
+    assert not profiling.settled({1: 1.0, 4: 2.0}, {1: 0.9, 4: 2.0})  # 10% faster: keep repeating
+    assert not profiling.settled({1: 1.0, 4: 2.0}, {1: 1.0, 4: 2.5})  # a slow round (a busy spell) confirms nothing
+    assert not profiling.settled({1: 1.0}, {1: 1.0, 4: 2.0})  # a width not timed before
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_steady_target_is_timed_in_fewer_rounds_than_the_most(batched, monkeypatch):
+    """Forwards that take the same time every round stop repeating after MIN_TIMED_ROUNDS timed rounds; a forward
+    that keeps getting faster is repeated up to ``repeats``."""
+    import itertools
+
+    target = make_family_target("llama")
+    ticks = itertools.count()
+    steady = {"on": True}
+
+    def clock():  # each forward "takes" 1 s when steady, 10% less every round otherwise
+        tick = next(ticks)
+        return float(tick) if steady["on"] else sum(0.9 ** (k // 2) for k in range(tick))
+
+    def forwards(widths):
+        calls = []
+        forward = target.forward
+
+        def counting(*args, **kwargs):
+            calls.append(kwargs["input_ids"].shape[1])
+            return forward(*args, **kwargs)
+
+        monkeypatch.setattr(target, "forward", counting)
+        monkeypatch.setattr(profiling.time, "perf_counter", clock)
+        if batched:
+            profiling.measure_batched_steps_per_second(target, 1, widths, context_length=8, repeats=5,
+                                                       time_budget_s=1e9)
+        else:
+            profiling.measure_steps_per_second(target, widths, context_lengths=[8], repeats=5, time_budget_s=1e9)
+        return calls
+
+    widths = [1, 2]
+    prefill = 1
+    assert len(forwards(widths)) == prefill + (1 + profiling.MIN_TIMED_ROUNDS) * len(widths)
+    steady["on"] = False
+    assert len(forwards(widths)) == prefill + (1 + 5) * len(widths)

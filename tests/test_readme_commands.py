@@ -1,6 +1,7 @@
-"""The README's own `data`, `calibrate`, `eval`, `bench` and `bench-serve` examples run from a clone: each command is
-read out of the README's bash blocks and run as written, its outputs moved under a temporary folder and its sizes cut
-down by flags appended after the documented ones (the later value wins)."""
+"""The documented `data`, `calibrate`, `eval`, `bench` and `bench-serve` examples run from a clone: every such
+command in a bash block of the README or a user-guide page (``docs/guide/*.md``) is read out and run as written, its
+outputs moved under a temporary folder and its sizes cut down by flags appended after the documented ones (the later
+value wins)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,31 +29,38 @@ TINY = {
 OUTPUT_FLAGS = ("--output", "--plot", "--markdown", "--export")
 
 
-def documented_commands() -> dict[str, list[str]]:
-    """The first ``hf-dspark <command>`` of each kind in the README's bash blocks, continuation lines joined and
-    comments dropped; lines with ``[optional]`` syntax are not runnable as written and are left out."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    commands: dict[str, list[str]] = {}
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #", 1)[0].strip()
-            if not line.startswith("hf-dspark ") or "[" in line:
-                continue
-            words = shlex.split(line)
-            if words[1] in TINY:
-                commands.setdefault(words[1], words[1:])
+def documentation() -> list[Path]:
+    """The pages a user reads commands from: the README, then the user guide."""
+    return [REPO / "README.md", *sorted((REPO / "docs" / "guide").glob("*.md"))]
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """``(page, words)`` for every ``hf-dspark <command>`` of the kinds in TINY in the pages' bash blocks,
+    continuation lines joined and comments dropped; lines with ``[optional]`` syntax are not runnable as written and
+    are left out."""
+    commands = []
+    for page in documentation():
+        text = page.read_text(encoding="utf-8")
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split("  #", 1)[0].strip()
+                if not line.startswith("hf-dspark ") or "[" in line:
+                    continue
+                words = shlex.split(line)
+                if words[1] in TINY:
+                    commands.append((str(page.relative_to(REPO)), words[1:]))
     return commands
 
 
-def test_the_readme_documents_each_command():
-    assert sorted(documented_commands()) == sorted(TINY)
+def test_the_documentation_shows_each_command():
+    assert sorted({words[0] for _, words in documented_commands()}) == sorted(TINY)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", sorted(TINY))
-def test_a_documented_command_runs(command, tmp_path):
+@pytest.mark.parametrize("page, words", documented_commands(), ids=lambda x: x if isinstance(x, str) else x[0])
+def test_a_documented_command_runs(page, words, tmp_path):
     require_smollm2()
-    words = documented_commands()[command]
+    words = list(words)
     outputs = []
     for i, word in enumerate(words[:-1]):
         if word in OUTPUT_FLAGS:
@@ -59,7 +68,7 @@ def test_a_documented_command_runs(command, tmp_path):
             outputs.append(words[i + 1])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DSPARK_CACHE": os.environ.get("HF_DSPARK_CACHE", "")}
     env = {k: v for k, v in env.items() if v != ""}
-    done = subprocess.run([sys.executable, "-m", "hf_dspark.cli", *words, *TINY[command]], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-m", "hf_dspark.cli", *words, *TINY[words[0]]], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{shlex.join(words)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    assert outputs and all(os.path.exists(path) for path in outputs), outputs
+    assert done.returncode == 0, f"{page}: {shlex.join(words)}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    assert outputs and all(os.path.exists(path) for path in outputs), (page, outputs)

@@ -43,9 +43,10 @@ def served():
     tokenizer = char_tokenizer(target.config.vocab_size)
     tokenizer.chat_template = TEMPLATE
     drafter = make_drafter(target, block_size=4)
-    engine = DSparkEngine(target, drafter, tokenizer=tokenizer, method="fixed", max_concurrency=8)
+    engine = DSparkEngine(target, drafter, tokenizer=tokenizer, policy="fixed", max_concurrency=8)
     worker = EngineWorker(engine)
     worker.start()
+    assert worker.ready.wait(30), "the engine did not get ready"
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(worker, ModelInfo(MODEL, tokenizer, 512)), host="127.0.0.1",
                                            port=port, log_level="warning"))
@@ -78,6 +79,55 @@ def test_models_and_health(served):
     models = client(served).models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(served["url"] + "/health").json() == {"status": "ok"}
+
+
+def test_health_says_profiling_until_the_engine_is_prepared_and_requests_wait_for_it():
+    """The engine thread measures its profile before it takes requests: /health answers 503 "profiling" with the
+    progress meanwhile, a request sent then is answered once it is done, and each stage is announced."""
+    from fastapi.testclient import TestClient
+
+    from hf_dspark.engine import DSparkEngine
+    from hf_dspark.serving import EngineWorker, ModelInfo, build_app
+
+    target = make_target("llama")
+    tokenizer = char_tokenizer(target.config.vocab_size)
+    engine = DSparkEngine(target, make_drafter(target, block_size=4), tokenizer=tokenizer, policy="fixed")
+    release, lines = threading.Event(), []
+
+    def slow_prepare(progress=None):
+        progress([], [1, 2], 0.0)
+        progress([1], [1, 2], 0.5)
+        assert release.wait(30)
+        progress([1, 2], [1, 2], 1.0)
+
+    engine.prepare = slow_prepare
+    worker = EngineWorker(engine, announce=lines.append)
+    worker.start()
+    try:
+        with TestClient(build_app(worker, ModelInfo(MODEL, tokenizer, 512))) as http:
+            deadline = time.time() + 30
+            while worker.progress is None or worker.progress["batch_sizes_measured"] < 1:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            health = http.get("/health")
+            assert health.status_code == 503
+            assert health.json() == {"status": "profiling",
+                                     "progress": {"batch_sizes_measured": 1, "batch_sizes": 2, "seconds": 0.5}}
+            answer = {}
+            waiting = threading.Thread(target=lambda: answer.update(http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3}).json()))
+            waiting.start()
+            time.sleep(0.2)
+            assert not answer  # queued behind the profile
+            release.set()
+            waiting.join(30)
+            assert answer["usage"]["completion_tokens"] == 3
+            assert http.get("/health").json() == {"status": "ok"}
+    finally:
+        release.set()
+        worker.stop()
+    assert "/health says \"profiling\"" in lines[0] and "at 2 batch sizes (1, 2;" in lines[0]
+    assert lines[1].startswith("batch size 1 measured (1/2") and lines[-1].startswith("ready after")
 
 
 def test_chat_completion_equals_plain_generate(served):

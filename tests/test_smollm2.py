@@ -49,7 +49,7 @@ def test_stop_string_completed_inside_a_round(smollm2):
     new = plain[0, inputs["input_ids"].shape[1]:].tolist()
     assert len(new) < 96 and tokenizer.decode(new).endswith("return")
     batch = generate_batch(target, [inputs["input_ids"][0].tolist()], drafter,
-                           SamplingParams(max_new_tokens=96, stop_strings=("return",)), method="fixed",
+                           SamplingParams(max_new_tokens=96, stop_strings=("return",)), policy="fixed",
                            tokenizer=tokenizer)
     assert batch.outputs[0].token_ids == new and batch.outputs[0].finish_reason == "stop"
 

@@ -146,7 +146,7 @@ def test_sampling_ends_at_the_first_stop_of_its_own_tokens(tiny_targets, trained
     assert hits > 0
 
 
-@pytest.mark.parametrize("method", ["fixed", "scheduled"])
+@pytest.mark.parametrize("method", ["fixed", "scheduler"])
 def test_batched_engine_stops_where_generate_stops(tiny_targets, trained_drafters, method):
     """Each request has its own criterion (a token pair from its plain continuation, or a custom length); they end
     where plain generate() ends, with finish_reason "stop", while the rest of the batch runs on."""
@@ -162,7 +162,7 @@ def test_batched_engine_stops_where_generate_stops(tiny_targets, trained_drafter
         prompts.append(prompt[0].tolist())
         params.append(SamplingParams(max_new_tokens=30, stopping_criteria=[criterion]))
         expected.append(ref[0, prompt.shape[1]:].tolist())
-    result = generate_batch(target, prompts, drafter, params, method=method)
+    result = generate_batch(target, prompts, drafter, params, policy=method)
     for out, tokens in zip(result.outputs, expected):
         assert out.token_ids == tokens
         assert out.finish_reason == ("stop" if len(tokens) < 30 else "length")
@@ -172,7 +172,7 @@ def test_batched_engine_stops_where_generate_stops(tiny_targets, trained_drafter
 def test_engine_stop_strings_need_a_tokenizer(tiny_targets):
     from hf_dspark.engine import DSparkEngine, SamplingParams
 
-    engine = DSparkEngine(tiny_targets["llama"], method="plain")
+    engine = DSparkEngine(tiny_targets["llama"], policy="plain")
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request([1, 2, 3], SamplingParams(stop_strings=["return"]))
     with pytest.raises(ValueError, match="non-empty strings"):

@@ -256,12 +256,12 @@ def test_the_engine_optimises_by_default_and_leaves_a_target_alone_with_none():
     from hf_dspark.engine import DSparkEngine
 
     target = make_family_target("llama")
-    DSparkEngine(target, None, method="plain", optimize_target="on")
+    DSparkEngine(target, None, policy="plain", optimize_target="on")
     assert linears_state(target) == "onednn-prepacked"
-    DSparkEngine(target, None, method="plain", optimize_target=None)
+    DSparkEngine(target, None, policy="plain", optimize_target=None)
     assert linears_state(target) == "onednn-prepacked"
     with pytest.raises(ValueError, match="optimize_target"):
-        DSparkEngine(target, None, method="plain", optimize_target="yes")
+        DSparkEngine(target, None, policy="plain", optimize_target="yes")
 
 
 @pytest.mark.slow

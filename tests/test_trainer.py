@@ -370,7 +370,7 @@ def test_mixed_precision_auto_follows_the_hardware(monkeypatch):
     with pytest.raises(ValueError, match="mixed_precision"):
         module.resolve_mixed_precision("fp8", "cpu")
     for flags, expected in ((["avx2", "fma"], "no"), (["avx512f", "avx512_bf16"], "bf16"), (["amx_bf16"], "bf16")):
-        monkeypatch.setattr(module, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(module, "cpu_flags", lambda flags=flags: flags)
         assert module.resolve_mixed_precision("auto", "cpu") == expected
 
 

@@ -18,6 +18,7 @@ import os
 import sys
 from argparse import ArgumentDefaultsHelpFormatter
 
+from .. import _register
 from .arguments import SettingsParser, UsageError, build_settings, flag, note_deprecated
 from .common import DRAFT_ROUNDS, Output, check_model_paths
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             check_model_paths(each, lambda name: flag(sub, name))
         if hasattr(module, "check"):
             module.check(*settings)
+        _register()  # deferred by the console script (hf_dspark_entry) until nothing is left to refuse
         return module.run(*settings)
     except KeyboardInterrupt:
         print("hf-dspark: interrupted", file=sys.stderr)

@@ -12,7 +12,7 @@ from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFT_ROUND_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
 from .common import require_prompts, setup_target
-from .policies import POLICY_HELP, generation_policy
+from .policies import DEFAULT_POLICY, POLICY_HELP, drafter_policy, generation_policy
 
 HELP = "rollouts over prompt sets: tau, acceptance, tokens/s vs plain"
 
@@ -24,9 +24,9 @@ class BenchSettings:
                                       metadata={"nargs": "*"})
     labels: list[str] | None = HfArg(default=None, help="a short name per --drafter", metadata={"nargs": "*"})
     target: str | None = HfArg(default=None, help=TARGET_HELP)
-    policies: list[str] = HfArg(default_factory=lambda: ["fixed"], help=(
-        "one method each: fixed | fixed=N | threshold=T | scheduler | scheduler=gated (the scheduler with its opt-in "
-        "realized gate) | hybrid. " + POLICY_HELP))
+    policies: list[str] = HfArg(default_factory=lambda: [DEFAULT_POLICY], help=(
+        "one method each per drafter, next to plain: hybrid | fixed | fixed=N | threshold=T | scheduler | "
+        "scheduler=gated (the scheduler with its opt-in realized gate). " + POLICY_HELP))
     prompt_lookup: int = HfArg(default=0, help="also run transformers' prompt-lookup decoding with N tokens (0: not)",
                                metadata={"bounds": (0, None)})
     draft_round: DraftRound | None = HfArg(default=None, help=DRAFT_ROUND_HELP)
@@ -40,6 +40,8 @@ class BenchSettings:
     optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     output: str | None = HfArg(default=None, help="write the JSON report here")
     markdown: str | None = HfArg(default=None, help="also write the report as Markdown tables here")
+    json: bool = HfArg(default=False, help="print the JSON report (what --output writes) on stdout instead of the "
+                       "tables")
 
 
 SETTINGS = (BenchSettings,)
@@ -76,9 +78,10 @@ def policy_settings(spec: str) -> dict:
 
 
 def run(settings: BenchSettings) -> int:
-    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
-
+    """Runs every method over the prompt sets, writes --output / --markdown where asked and prints the report's
+    tables (the JSON report with --json)."""
     from ..evaluation import run_rollouts
+    from ..evaluation.report import environment
 
     target, tokenizer, dtype = setup_target(settings)
     methods, origins = _methods(settings, target, dtype)
@@ -94,11 +97,9 @@ def run(settings: BenchSettings) -> int:
 
     payload = {"settings": asdict(settings), "results": {"drafters": origins, "report": report,
                                                          "target_optimization": optimization_report(target).to_dict()}}
-    _write(settings, payload)
-    for label, origin in origins.items():
-        print(f"{label}: {origin}")
-    for group, per_method in sorted(report.items()):
-        print(f"{group:16s} " + " | ".join(_cell(name, r) for name, r in per_method.items()))
+    machine = environment()
+    _write(settings, payload, machine)
+    print(json.dumps(payload) if settings.json else terminal_tables(payload, machine))
     return 0
 
 
@@ -117,6 +118,7 @@ def _methods(settings: BenchSettings, target, dtype) -> tuple[dict, dict]:
         label = settings.labels[index] if settings.labels else ("dspark" if len(specs) == 1 else f"drafter{index}")
         origins[label] = origin
         for policy in settings.policies:
+            policy = drafter_policy(policy, drafter)
             method = {"assistant": True, "drafter": drafter, **policy_settings(policy)}
             if settings.draft_round is not None:
                 method["draft_round"] = settings.draft_round
@@ -126,40 +128,20 @@ def _methods(settings: BenchSettings, target, dtype) -> tuple[dict, dict]:
     return methods, origins
 
 
-def _write(settings: BenchSettings, payload: dict) -> None:
+def _write(settings: BenchSettings, payload: dict, machine: dict) -> None:
+    from ..evaluation.bench_report import render_bench_markdown
+
     if settings.output:
         Path(settings.output).parent.mkdir(parents=True, exist_ok=True)
         Path(settings.output).write_text(json.dumps(payload, indent=2))
     if settings.markdown:
-        from ..evaluation.bench_report import render_bench_markdown
-        from ..evaluation.report import environment
-
         Path(settings.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(settings.markdown).write_text(render_bench_markdown(payload, environment()))
+        Path(settings.markdown).write_text(render_bench_markdown(payload, machine))
 
 
-def _cell(name: str, result: dict) -> str:
-    """``name: 41.2 tok/s x1.31 tau=2.10 [block 80% ...] (draft 4% ...) same=True``."""
-    return (f"{name}: {result['tokens_per_s']:.1f} tok/s x{result['speedup']:.2f}"
-            + (f" tau={result['accepted_length']:.2f}" if "accepted_length" in result else "")
-            + _source_shares(result.get("sources")) + _time_shares(result)
-            + (f" same={result['identical_to_baseline']}" if "identical_to_baseline" in result else ""))
+def terminal_tables(payload: dict, machine: dict) -> str:
+    """The report as ``--markdown`` writes it, less the first line's "generated by" marker (a file's, not a
+    terminal's)."""
+    from ..evaluation.bench_report import render_bench_markdown
 
-
-def _source_shares(sources: dict | None) -> str:
-    """`` [block 12% lookup 30% none 58%]``: where a method's rounds drafted from (empty without rounds)."""
-    from ..evaluation.bench_report import round_shares
-
-    if not sources:
-        return ""
-    return " [" + " ".join(f"{name} {share:.0f}%" for name, share in sorted(round_shares(sources).items())) + "]"
-
-
-def _time_shares(result: dict) -> str:
-    """`` (draft 4% verify 90% loop 6%)``: where a drafting method's seconds went (empty for plain methods)."""
-    from ..evaluation.bench_report import TIME_PARTS, time_shares
-
-    spent = time_shares(result)
-    if not spent:
-        return ""
-    return " (" + " ".join(f"{TIME_PARTS[key]} {share:.0f}%" for key, share in spent.items()) + ")"
+    return render_bench_markdown(payload, machine).split("\n", 1)[1].rstrip("\n")

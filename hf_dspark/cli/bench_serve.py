@@ -6,26 +6,28 @@ import json
 import shlex
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from transformers.hf_argparser import HfArg
 
-from ..engine.bench import BENCH_PRETOUCH_MIB
+from ..allocator import BENCH_PRETOUCH_MIB, fix_allocator, pretouch_setting
 from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFTER_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DType, require_prompts
 from .common import device as chosen_device
 from .common import setup_target
-from .policies import current_spec, engine_method
+from .policies import DEFAULT_POLICY, PLAIN, current_spec, engine_spec
+
+if TYPE_CHECKING:
+    import torch
 
 HELP = "batched serving: tokens/s and verification budget vs concurrency"
 POLICIES_HELP = (
-    "plain | fixed | fixed=N | scheduler | scheduler=padded|prefix|topk | hybrid (the scheduler plus a prompt lookup "
-    "per request; hybrid=SCHEDULE too); append ',ungated' (or scheduler=ungated) to turn the realized gate off, "
-    "',emitted' to have the gate count emitted tokens (gate_tokens); append ',hold=H' to any policy to set the "
-    "engine's admission_hold (0: admit at once), ',prefill=F' to set its PrefillCost fixed_tokens (1e9: each "
-    "admission in one padded forward)")
+    "plain (the baseline every other policy is compared with) | hybrid (the scheduler plus a prompt lookup per "
+    "request; hybrid=SCHEDULE too) | fixed | fixed=N | scheduler | scheduler=padded|prefix|topk; append ',ungated' "
+    "(or scheduler=ungated) to turn the realized gate off, ',emitted' to have the gate count emitted tokens "
+    "(gate_tokens); append ',hold=H' to any policy to set the engine's admission_hold (0: admit at once), "
+    "',prefill=F' to set its PrefillCost fixed_tokens (1e9: each admission in one padded forward)")
 
 
 @dataclass
@@ -35,7 +37,7 @@ class ServeSettings:
     max_new_tokens: int = HfArg(default=256, help="tokens generated per request", metadata={"bounds": (1, None)})
     concurrency: list[int] | None = HfArg(default=None, help="most requests in the batch at once (one run per value; "
                                           "default 1 4 16 64, or 1 with --interleave)", metadata={"bounds": (1, None)})
-    policies: list[str] = HfArg(default_factory=lambda: ["plain", "fixed", "scheduler"], help=POLICIES_HELP,
+    policies: list[str] = HfArg(default_factory=lambda: [PLAIN, DEFAULT_POLICY], help=POLICIES_HELP,
                                 metadata={"deprecated": ["--methods"]})
     repeats: int = HfArg(default=1, help="run the policies of each concurrency N times (one after the other, "
                          "round-robin, or side by side with --lockstep); keep each policy's fastest run (with "
@@ -50,8 +52,8 @@ class ServeSettings:
         "policy and plain, scheduler and fixed) in its own two-engine lockstep (no value: all)"),
         metadata={"nargs": "?", "const": "all"})
     schedule: Literal["padded", "prefix", "topk"] = HfArg(default="padded", help=(
-        "budget sharing for 'scheduler': Algorithm 1 by width layers (costed as the padded batch), Algorithm 1 over "
-        "single entries, or dynamic top-K"))
+        "budget sharing for 'scheduler' and 'hybrid': Algorithm 1 by width layers (costed as the padded batch), "
+        "Algorithm 1 over single entries, or dynamic top-K"))
     sps: str | None = HfArg(default=None, help="SPS profile JSON (default: profile the target, cached)")
     drafter: str | None = HfArg(default=None, help=DRAFTER_HELP)
     target: str | None = HfArg(default=None, help=TARGET_HELP)
@@ -102,8 +104,8 @@ def check(settings: ServeSettings) -> None:
         raise UsageError("--markdown and --output name the same file")
     if not settings.prompts:
         raise UsageError("--prompts is required (or --from-report to render an earlier report)")
+    _check_combinations(settings)  # first: these refusals need no torch, reading a policy spec loads the engine
     _check_policies(settings)
-    _check_combinations(settings)
     require_prompts(settings.prompts, "--prompts")
 
 
@@ -116,28 +118,26 @@ def _check_render(settings: ServeSettings) -> None:
 
 def _check_policies(settings: ServeSettings) -> None:
     """The policies in today's names; each one reads, and with --lockstep pairs each is compared with one."""
-    from ..engine.bench import lockstep_pairs, parse_method
+    from ..engine.bench import lockstep_pairs, parse_policy
 
     settings.policies = [current_spec(spec, "--policies") for spec in settings.policies]
     scheduled = [spec for spec in settings.policies if spec.split(",")[0].split("=")[0] in SCHEDULED_POLICIES]
     if settings.schedule != ServeSettings.schedule and not scheduled:
         raise UsageError(f"--schedule applies to the {' and '.join(SCHEDULED_POLICIES)} policies only")
     try:
-        specs = {method: parse_method(method, settings.schedule) for method in engine_methods(settings)}
+        specs = {spec: parse_policy(spec, settings.schedule) for spec in engine_specs(settings)}
         if settings.lockstep == "pairs":
             lockstep_pairs(specs)
     except ValueError as err:
         raise UsageError(f"--policies: {err}") from None
 
 
-def engine_methods(settings: ServeSettings) -> list[str]:
-    """The policies as the engine's method specs."""
-    return [engine_method(spec, "--policies") for spec in settings.policies]
+def engine_specs(settings: ServeSettings) -> list[str]:
+    """The policies as the engine's policy specs."""
+    return [engine_spec(spec, "--policies") for spec in settings.policies]
 
 
 def _check_combinations(settings: ServeSettings) -> None:
-    from ..engine.bench import pretouch_setting
-
     if settings.concurrency is None:
         settings.concurrency = [1] if settings.interleave else [1, 4, 16, 64]
     if settings.interleave and settings.concurrency != [1]:
@@ -161,12 +161,11 @@ def run(settings: ServeSettings) -> int:
     """Replays the prompts; writes the JSON report, the Markdown table and the plot where asked."""
     if settings.from_report:
         return _render_report(settings)
-    from ..engine.bench import (bench_interleaved, bench_serve, fix_allocator, measurements_from_report,
-                                pretouch_setting)
+    from ..engine.bench import bench_interleaved, bench_serve, measurements_from_report
     from ..evaluation.report import environment
 
     device = chosen_device(settings.device)
-    methods = engine_methods(settings)
+    methods = engine_specs(settings)
     target, tokenizer, drafter, origin = _models(settings, methods, device)
     start = measurements_from_report(settings.measurements, methods) if settings.measurements else None
     pretouch = pretouch_setting(settings.dynamic_allocator, settings.pretouch)

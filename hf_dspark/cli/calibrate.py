@@ -48,8 +48,6 @@ def check(settings: CalibrateSettings) -> None:
 
 def run(settings: CalibrateSettings) -> int:
     """Fits the temperatures, writes the calibrated drafter, sts.json, the reliability plot and a report."""
-    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
-
     from ..calibration import ROLLOUT_CHECKPOINT, collect_rollouts, cross_validated_sts, fit_sts
     from ..defaults import load_drafter_for
 

@@ -6,14 +6,15 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch loads where a command runs, not while its flags are read (--help, refused flags)
+    import torch
+
 DType = Literal["bfloat16", "float16", "float32"]
 # generation.DRAFT_ROUNDS, spelled out so that building the parser does not import generation (a test keeps them equal)
 DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
@@ -24,7 +25,7 @@ EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter f
                 "or text files of prompt ids, one per line")
 PROMPTS_HELP = ("prompt sources: .jsonl files or folders (one prompt per line), 'bundled' or 'bundled:<set>' (the "
                 "package's chat, code, math and repetitive sets), or 'hf:<dataset>?split=<split>&field=<column>' (a Hub "
-                "dataset); README, Prompt sets")
+                "dataset); docs/guide/prompts.md")
 TARGET_HELP = "target model folder or Hub id (default: SmolLM2-135M-Instruct)"
 DRAFTER_HELP = "drafter folder or Hub id (default: the embedded drafter)"
 THREADS_HELP = "torch CPU threads (default: torch's choice)"
@@ -86,7 +87,7 @@ def require_prompts(paths: list[str], flag: str) -> None:
 
 def require_shards(folders: list[str], flag: str) -> None:
     """Refuse regenerated-data folders that are missing or hold no finished shard."""
-    from ..training.trainer import list_shards
+    from ..training.settings import list_shards
 
     missing = [folder for folder in folders if not Path(folder).is_dir()]
     if missing:
@@ -95,6 +96,22 @@ def require_shards(folders: list[str], flag: str) -> None:
         list_shards(folders)
     except FileNotFoundError as err:
         raise UsageError(f"{flag}: {err}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def warn_if_slow_dtype(dtype_name: str, device_type: str = "cpu") -> None:
+    """One line on stderr where a model in ``dtype_name`` runs slowly on this CPU, naming the faster dtype."""
+    from ..cpu_features import cpu_flags, slow_dtype_warning
+
+    message = slow_dtype_warning(dtype_name, device_type, cpu_flags())
+    if message:
+        print(f"hf-dspark: warning: {message}", file=sys.stderr, flush=True)
 
 
 def load_target(name: str | None, dtype: torch.dtype):
@@ -111,6 +128,8 @@ def load_target(name: str | None, dtype: torch.dtype):
 
 def device(name: str) -> torch.device:
     """``auto``: the GPU where CUDA is available, else the CPU; otherwise the named device."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     chosen = torch.device(name)
@@ -121,10 +140,15 @@ def device(name: str) -> torch.device:
 
 def setup_target(settings, dtype_name: str | None = None):
     """Thread count, dtype and the target (+ tokenizer) for commands that run it; commands with
-    ``--optimize-target`` get the target optimised as it says (``target.hf_dspark_optimization`` tells how)."""
+    ``--optimize-target`` get the target optimised as it says (``target.hf_dspark_optimization`` tells how); a
+    warning where the dtype is slow on the CPU the target runs on."""
+    import torch
+
     if getattr(settings, "threads", None):
         torch.set_num_threads(settings.threads)
-    dtype = DTYPES[dtype_name or settings.dtype]
+    dtype_name = dtype_name or settings.dtype
+    warn_if_slow_dtype(dtype_name, device(getattr(settings, "device", "cpu")).type)
+    dtype = torch_dtype(dtype_name)
     target, tokenizer = load_target(settings.target, dtype)
     mode = getattr(settings, "optimize_target", None)
     if mode is not None:

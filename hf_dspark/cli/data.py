@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
 from transformers.hf_argparser import HfArg
 
-from ..training.data import RegenerationSettings
-from .common import DTYPES, TARGET_HELP, THREADS_HELP, device, load_target, require_prompts
+from ..training.settings import RegenerationSettings
+from .common import TARGET_HELP, THREADS_HELP, device, load_target, require_prompts, torch_dtype, warn_if_slow_dtype
 
 HELP = "regenerate training responses with the target (sharded, resumable)"
 
@@ -38,11 +37,15 @@ def check(regeneration: RegenerationSettings, job: DataJob) -> None:
 
 
 def run(regeneration: RegenerationSettings, job: DataJob) -> int:
+    import torch
+
     from ..training.data import regenerate
 
     torch.set_num_threads(job.threads or torch.get_num_threads())
-    target, tokenizer = load_target(job.target, DTYPES[regeneration.dtype])
-    target = target.to(device(job.device))
+    where = device(job.device)
+    warn_if_slow_dtype(regeneration.dtype, where.type)
+    target, tokenizer = load_target(job.target, torch_dtype(regeneration.dtype))
+    target = target.to(where)
     summary = regenerate(target, tokenizer, job.output, regeneration, worker_index=job.worker_index,
                          num_workers=job.num_workers, time_budget_s=job.time_budget_s)
     print(json.dumps(summary))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
 from transformers.hf_argparser import HfArg
 
 from .common import OPTIMIZE_HELP, OptimizeMode
-from .common import DTYPES, THREADS_HELP, DType
+from .common import THREADS_HELP, DType, torch_dtype, warn_if_slow_dtype
+from .policies import DEFAULT_POLICY, POLICIES
 
 HELP = "Gradio demo: plain vs DSpark streaming side by side, drafts per round"
 
@@ -22,6 +22,8 @@ class DemoSettings:
     drafter: str | None = HfArg(default=None, help="drafter folder (default: the embedded drafter)")
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
     max_new_tokens: int = HfArg(default=128, help="the UI's initial max new tokens", metadata={"bounds": (1, None)})
+    policy: str = HfArg(default=DEFAULT_POLICY, help="the verification policy the UI starts on (fixed for a drafter "
+                        "without a confidence head)", metadata={"choices": list(POLICIES)})
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
     optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
 
@@ -32,14 +34,16 @@ SETTINGS = (DemoSettings,)
 def run(settings: DemoSettings) -> int:
     """Serves the demo on SmolLM2-135M-Instruct until interrupted, printing its address (and not Gradio's hint
     about public links: the demo never shares one)."""
-    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
+    import torch
 
     from ..demo import launch_default
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    warn_if_slow_dtype(settings.dtype)  # the demo runs on the CPU
     _, url, _ = launch_default(host=settings.host, port=settings.port, drafter=settings.drafter,
-                               dtype=DTYPES[settings.dtype], max_new_tokens=settings.max_new_tokens, quiet=True,
+                               dtype=torch_dtype(settings.dtype), max_new_tokens=settings.max_new_tokens,
+                               policy=settings.policy, quiet=True,
                                optimize_target=settings.optimize_target,
                                prevent_thread_lock=True)
     print(f"hf-dspark demo: serving on {url} (Ctrl+C stops it)", flush=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from ..evaluation.report import PHASES, EvalSettings
+
+from ..evaluation.settings import PHASES, EvalSettings
 from .arguments import UsageError
 from .common import TARGET_HELP, THREADS_HELP, DType, require_prompts, setup_target
 
@@ -53,7 +54,7 @@ DEFAULTS = {"data": None}
 
 def check(settings: EvalSettings, job: EvalJob) -> None:
     """The included reports exist, the shard flags come together, and there are prompts (unless rendering)."""
-    from ..evaluation.report import included_markdown
+    from ..evaluation.bench_report import included_markdown
 
     if job.benchmarks_include and not job.benchmarks:
         raise UsageError("--benchmarks-include needs --benchmarks (the page the reports are appended to)")
@@ -78,8 +79,6 @@ def check(settings: EvalSettings, job: EvalJob) -> None:
 def run(settings: EvalSettings, job: EvalJob) -> int:
     if job.render_only:
         return _render(job)
-    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
-
     from ..evaluation.report import run_eval
 
     target, tokenizer, dtype = setup_target(job)

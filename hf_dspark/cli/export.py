@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import torch
 from transformers.hf_argparser import HfArg
 
-from .common import DEFAULT_TARGETS, DTYPES, DType, load_target
+from .common import DEFAULT_TARGETS, DType, load_target, torch_dtype
 
 HELP = "write a drafter folder for a serving engine (vllm, sglang, trtllm, reference)"
 
@@ -30,6 +29,8 @@ SETTINGS = (ExportSettings,)
 
 
 def run(settings: ExportSettings) -> int:
+    import torch
+
     from ..defaults import embedded_drafter_path, load_drafter_for
     from ..export import STS_FILE, export_for_engine
 
@@ -44,7 +45,7 @@ def run(settings: ExportSettings) -> int:
     source = Path(settings.drafter) if settings.drafter else embedded_drafter_path()
     if sts is None and settings.engine != "vllm" and source is not None and (source / STS_FILE).is_file():
         sts = source / STS_FILE  # what `hf-dspark calibrate` wrote next to the drafter
-    result = export_for_engine(drafter, settings.output, settings.engine, dtype=DTYPES[settings.dtype], sts=sts,
+    result = export_for_engine(drafter, settings.output, settings.engine, dtype=torch_dtype(settings.dtype), sts=sts,
                                sps=settings.sps)
     print(f"exported {origin} for {result.engine} to {result.folder}: {', '.join(result.files)}")
     print(f"serve: {result.launch}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers.hf_argparser import HfArg
 
-from .common import DTYPES, TARGET_HELP, THREADS_HELP, DType, device, require_shards, setup_target
+from .common import TARGET_HELP, THREADS_HELP, DType, device, require_shards, setup_target, torch_dtype
 
 HELP = "cache target features of regenerated data (resumable)"
 
@@ -41,13 +41,13 @@ def check(settings: FeaturesSettings) -> None:
 def run(settings: FeaturesSettings) -> int:
     from ..configuration_dspark import DSparkConfig
     from ..training.features import cache_features
-    from ..training.trainer import list_shards
+    from ..training.settings import list_shards
 
     target, _, _ = setup_target(settings, settings.target_dtype)
     target = target.to(device(settings.device))
     layer_ids = settings.target_layer_ids or DSparkConfig.for_target(target.config).target_layer_ids
     summary = cache_features(target, list_shards(settings.data), settings.output, layer_ids, settings.max_length,
-                             dtype=DTYPES[settings.dtype], batch_size=settings.batch_size,
+                             dtype=torch_dtype(settings.dtype), batch_size=settings.batch_size,
                              worker_index=settings.worker_index, num_workers=settings.num_workers)
     print(json.dumps(summary))
     return 0

@@ -8,14 +8,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-import torch
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
-from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
+from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
 from .common import setup_target
-from .policies import POLICY_HELP, generation_policy
+from .policies import DEFAULT_POLICY, POLICY_HELP, drafter_policy, generation_policy
 
 HELP = "DSpark-assisted greedy generation vs plain generate(): tokens/s, tau"
 ROUNDING_NOTE = ("{dtype} rounds near-tied logits differently in a multi-token verification forward than in plain "
@@ -32,14 +31,12 @@ class GenerateSettings:
                              "CPU, code, math and repetitive text 1.4-2x")
     max_new_tokens: int = HfArg(default=128, help="tokens to generate", metadata={"bounds": (1, None)})
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
-    policy: str | None = HfArg(default=None, help="verification policy: " + POLICY_HELP + " | a registered policy "
-                               "(default: hybrid for drafters with a confidence head, else fixed)")
+    policy: str = HfArg(default=DEFAULT_POLICY, help="verification policy: " + POLICY_HELP + " | a registered policy")
     threshold: float | None = HfArg(default=None, help="confidence threshold of --policy threshold "
                                     "(default: the drafter's, 0.5)", metadata={"bounds": (0, 1)})
     draft_round: DraftRound | None = HfArg(default=None, help=DRAFT_ROUND_HELP)
     stop: list[str] | None = HfArg(default=None, help="stop strings: both runs end where the text first contains "
                                    "one (as generate(stop_strings=))", metadata={"metavar": "STRING"})
-    seed: int = HfArg(default=0, help=SEED_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
     optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
     json: bool = HfArg(default=False, help="print only a JSON summary on stdout (progress on stderr, the text not "
@@ -51,8 +48,7 @@ SETTINGS = (GenerateSettings,)
 
 def check(settings: GenerateSettings) -> None:
     """The policy exists, and --threshold comes with --policy threshold."""
-    if settings.policy is not None:
-        settings.policy = generation_policy(settings.policy, "--policy")
+    settings.policy = generation_policy(settings.policy, "--policy")
     if settings.threshold is not None and settings.policy != "threshold":
         raise UsageError("--threshold applies to --policy threshold only")
 
@@ -60,7 +56,6 @@ def check(settings: GenerateSettings) -> None:
 def run(settings: GenerateSettings) -> int:
     """Prints what it is doing on stderr (loading, the one-time GGUF conversion and SPS profiling), streams the
     DSpark run's text as it is generated (not with --json), runs plain generation, then compares the two."""
-    torch.manual_seed(settings.seed)
     started = time.perf_counter()
     target, tokenizer, drafter, origin, policy = _load(settings)
     messages = [{"role": "user", "content": settings.prompt}]
@@ -99,21 +94,17 @@ def _step(message: str) -> None:
 
 def _load(settings: GenerateSettings):
     """The target, the drafter set to the policy (the SPS profile made where the policy reads it), and its name."""
-    import hf_dspark  # noqa: F401  (installs the generate() dispatch)
-
     from ..defaults import load_drafter_for
 
     if settings.target is None:
         from ..target import smollm2_converted
 
         if not smollm2_converted():
-            _step("converting the SmolLM2-135M-Instruct GGUF file to a cached safetensors folder (once, ~20 s)")
+            _step("converting the SmolLM2-135M-Instruct GGUF file to a cached safetensors folder (once, 10-30 s)")
     _step(f"loading the target ({settings.dtype})")
     target, tokenizer, dtype = setup_target(settings)
     drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
-    # Default: the hybrid (drafter block or prompt lookup, whichever the cost model prices higher) where the drafter
-    # has a confidence head, else whole blocks.
-    policy = settings.policy or ("hybrid" if drafter.confidence_head is not None else "fixed")
+    policy = drafter_policy(settings.policy, drafter)
     drafter.generation_config.verification_policy = policy
     if settings.threshold is not None:
         drafter.generation_config.confidence_threshold = settings.threshold

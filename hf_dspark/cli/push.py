@@ -37,8 +37,6 @@ def check(settings: PushSettings) -> None:
 
 def run(settings: PushSettings) -> int:
     """Pushes weights, code, custom_generate/, sts.json when calibrated, and the model card."""
-    import hf_dspark  # noqa: F401  (saving writes auto_map and the code files)
-
     from ..hub import load_report, push_drafter, training_text
     from ..modeling_dspark import DSparkDrafter
 

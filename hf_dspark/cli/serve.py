@@ -10,7 +10,7 @@ from transformers.hf_argparser import HfArg
 from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DType, setup_target
-from .policies import engine_method
+from .policies import DEFAULT_POLICY, current_spec, drafter_policy, engine_spec
 
 HELP = "OpenAI-compatible server (/v1/chat/completions, /v1/completions, /v1/models) on the batched engine"
 
@@ -24,8 +24,9 @@ class ServeSettings:
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
     max_concurrency: int = HfArg(default=16, help="most requests in the batch at once; more wait and join as others "
                                  "finish", metadata={"bounds": (1, None)})
-    policy: str = HfArg(default="scheduler", help="the engine's policy: plain (no drafter) | fixed | scheduler | "
-                        "hybrid (the scheduler plus a prompt lookup per request)")
+    policy: str = HfArg(default=DEFAULT_POLICY, help="the engine's policy: hybrid (the scheduler plus a prompt lookup "
+                        "per request; a drafter without a confidence head verifies whole blocks instead) | plain (no "
+                        "drafter) | fixed | scheduler")
     model_name: str | None = HfArg(default=None, help="the model name clients send and /v1/models lists (default: "
                                    "the target's folder name)")
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
@@ -37,7 +38,7 @@ SETTINGS = (ServeSettings,)
 
 def check(settings: ServeSettings) -> None:
     """Refuse what the server cannot run before anything loads."""
-    settings.policy = engine_method(settings.policy, "--policy")
+    settings.policy = engine_spec(current_spec(settings.policy, "--policy"), "--policy")
     if settings.policy != "plain" and "=" in settings.policy:
         raise UsageError("--policy takes a policy name (plain, fixed, scheduler or hybrid), no options")
     try:
@@ -64,9 +65,11 @@ def run(settings: ServeSettings) -> int:
     if settings.policy != "plain":
         drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
         print(f"hf-dspark serve: drafter {origin}", flush=True)
+        settings.policy = drafter_policy(settings.policy, drafter)
     name = settings.model_name or Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     print(f"hf-dspark serve: {name} on http://{settings.host}:{settings.port}/v1 (policy {settings.policy}, at most "
           f"{settings.max_concurrency} requests at once)", flush=True)
-    serve(target, tokenizer, drafter, name, host=settings.host, port=settings.port, method=settings.policy,
-          max_concurrency=settings.max_concurrency, optimize_target=None)
+    serve(target, tokenizer, drafter, name, host=settings.host, port=settings.port, policy=settings.policy,
+          max_concurrency=settings.max_concurrency, optimize_target=None,
+          announce=lambda line: print(f"hf-dspark serve: {line}", flush=True))
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..training.trainer import TrainingArguments
+from ..training.settings import TrainingArguments
 from .common import require_shards
 
 HELP = "train a DSpark drafter (resumable: re-run the same command)"

@@ -8,7 +8,7 @@ transformers' assisted generation serves one sequence at a time; here every step
 2. proposes drafts: a free source's offer (prompt lookup, under the hybrid) where it pays, else a block from the
    drafter for the requests that will be verified (``DSparkDrafter`` forward + ``sample_block``, batched);
    requests whose drafts are not expected to pay for the drafter's forward skip drafting (``decisions``),
-3. schedules: a verification length per request from the verification policy its ``method`` names (the registry
+3. schedules: a verification length per request from the verification policy ``EngineConfig.policy`` names (the registry
    ``generate()`` uses), for a policy priced by SPS from a shared budget over the profiled SPS(B) curve of the
    batch's verification tokens B: Algorithm 1 by width layers for the padded batch (the default), Algorithm 1 over
    single entries, or dynamic top-K,
@@ -58,6 +58,7 @@ from transformers import DynamicCache, StoppingCriteriaList, StopStringCriteria
 from ..attention import packed_attention
 from ..drafting import Draft, DSparkStats, rollback_refusal, seconds_between, time_mark
 from ..generation import is_dspark_drafter
+from ..policy_names import DEFAULT_POLICY
 from ..scheduling import ConfidenceMemory
 from .admission import PrefillCost, hold_budget, prefill_groups, tail_filled_order
 from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
@@ -91,15 +92,19 @@ class DSparkEngine:
 
     Args:
         target: a decoder-only transformers model with full attention.
-        drafter: a ``DSparkDrafter`` for it (not needed for ``method="plain"``).
+        drafter: a ``DSparkDrafter`` for it (not needed for ``policy="plain"``; without one, the default policy
+            decodes plain).
         config: the settings (``EngineConfig``); keyword arguments override its fields (or, without a config, make
-            one: ``DSparkEngine(target, drafter, method="fixed")``).
+            one: ``DSparkEngine(target, drafter, policy="fixed")``).
     """
 
     def __init__(self, target, drafter=None, config: EngineConfig | None = None, **settings: Any):
-        config = EngineConfig(**settings) if config is None else replace(config, **settings)
-        if config.method is None:
-            config = replace(config, method="scheduled" if drafter is not None else PLAIN)
+        if config is None:
+            config = EngineConfig(**settings)
+        else:  # the deprecated ``method=`` replaces the config's policy, as ``policy=`` would
+            config = replace(config, **{**({"policy": None} if "method" in settings else {}), **settings})
+        if drafter is None and config.policy == DEFAULT_POLICY:
+            config = replace(config, policy=PLAIN)
         if getattr(target.config, "is_encoder_decoder", False):
             raise ValueError("the batched engine serves decoder-only targets")
         refusal = rollback_refusal(target)
@@ -116,10 +121,9 @@ class DSparkEngine:
         self.config = config
         self.target = target
         self.device = next(target.parameters()).device
-        self.method = config.method
         self.layout = layout
         self.drafter, self.block_size, self._taps = None, 0, []  # _taps: target hidden_states the drafter reads
-        policy = None if config.method == PLAIN else self._attach(drafter)
+        policy = None if config.policy == PLAIN else self._attach(drafter)
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if config.measurements is None else config.measurements
         self.measurements.bind(measurement_key(target, self.drafter))
@@ -153,15 +157,16 @@ class DSparkEngine:
         self.outputs: dict[str, RequestOutput] = {}
 
     def _attach(self, drafter):
-        """Check and attach the drafter a drafting method needs; returns the policy the method names."""
+        """Check and attach the drafter a drafting policy needs; returns the policy ``EngineConfig.policy`` names."""
         if drafter is None or not is_dspark_drafter(drafter):
-            raise ValueError(f"method {self.method!r} needs a DSpark drafter")
+            raise ValueError(f"policy {self.config.policy!r} needs a DSpark drafter")
         drafter.attach_target(self.target)
         if next(drafter.parameters()).device != self.device:
             raise ValueError(f"drafter is on {next(drafter.parameters()).device}, target on {self.device}")
         policy = engine_policy(self.config, drafter)
         if policy.needs_confidences and drafter.confidence_head is None:
-            raise ValueError(f"method {self.method!r} needs a drafter with a confidence head; use method='fixed'")
+            raise ValueError(f"policy {self.config.policy!r} needs a drafter with a confidence head; "
+                             f"use policy='fixed'")
         self.drafter = drafter
         self.block_size = drafter.config.block_size
         self._taps = drafter.target_hidden_states_indices()
@@ -256,6 +261,14 @@ class DSparkEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.batch.rows)
+
+    def prepare(self, progress=None) -> None:
+        """Measure now what the first steps would otherwise stop to measure: the batched SPS profile a policy that
+        prices widths needs (cached per machine; ``progress(done, sizes, seconds)`` hears each batch size). A server
+        calls this before it says it is ready, so no request waits on a profile. Nothing to do for plain decoding,
+        a policy that does not price widths, or a profile given in the config."""
+        if self.pricing is not None:
+            self.pricing.profile(progress)
 
     @property
     def num_active(self) -> int:
@@ -687,7 +700,7 @@ def generate_batch(target, prompts: Sequence, drafter=None, params=None, config:
     """Serve ``prompts`` with the batched engine and return every request's output and the step statistics.
 
     ``params``: one ``SamplingParams`` for all, or one per prompt. ``config`` and ``settings`` go to ``DSparkEngine``
-    (``method``, ``num_verify_tokens``, ``schedule``, ``sps``, ``max_concurrency``, ``seed``...).
+    (``policy``, ``num_verify_tokens``, ``schedule``, ``sps``, ``max_concurrency``, ``seed``...).
     """
     engine = DSparkEngine(target, drafter, config, **settings)
     ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, per_request(params, len(prompts)))]

@@ -5,10 +5,10 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 
 - ``plain``: the same engine without drafting (one token per request per step), the baseline;
 - ``fixed`` / ``fixed=N``: every request verifies its whole block (or N drafts) each step;
-- ``scheduled`` / ``scheduled=prefix|topk``: a shared budget per step from the drafter's confidences and the
+- ``scheduler`` / ``scheduler=prefix|topk``: a shared budget per step from the drafter's confidences and the
   profiled SPS(B) curve of the batch's total verification tokens; zero-budget requests skip drafting;
-- ``hybrid`` / ``hybrid=prefix|topk``: ``scheduled``, and requests whose prompt lookup pays verify its drafts
-  instead of the drafter's block;
+- ``hybrid`` / ``hybrid=prefix|topk`` (the default policy): ``scheduler``, and requests whose prompt lookup pays
+  verify its drafts instead of the drafter's block;
 - any other registered verification policy (``threshold``, or one registered with
   ``scheduling.register_verification_policy``): the engine verifying what that policy decides.
 """
@@ -23,29 +23,27 @@ from pathlib import Path
 
 import torch
 
-from ..allocator import fix_allocator
+from ..allocator import BENCH_PRETOUCH_MIB, fix_allocator, pretouch_setting  # noqa: F401  (re-exported)
+from ..policy_names import current_policy
 from ..scheduling import VERIFICATION_POLICIES
 from .admission import PrefillCost
 from .batching import DSparkEngine
-from .config import PLAIN, policy_name, scheduled_method
+from .config import PLAIN, scheduled_policy
 from .requests import SamplingParams
 from .verification import SCHEDULES
 
 
-# Heap the benches pre-touch (``fix_allocator(pretouch=)``): room for three engines' caches at 64 requests
-BENCH_PRETOUCH_MIB = 3072
-
-
-def parse_method(spec: str, default_schedule: str = "padded") -> dict:
-    """``plain`` | ``fixed`` | ``fixed=N`` | ``scheduled`` | ``scheduled=prefix`` | ``scheduled=topk`` | any other
-    registered verification policy (``threshold``) -> engine keyword arguments (``hybrid`` and ``scheduler`` take
-    every option of ``scheduled``); ``scheduled=...,ungated`` (e.g. ``scheduled=ungated``,
-    ``scheduled=prefix,ungated``) turns the engine's realized gate off, to measure what it brings, and
-    ``scheduled=...,emitted`` has its realized gate count the tokens each step emitted (``gate_tokens="emitted"``)
-    instead of the batch's progress. Any method takes ``,hold=H`` (e.g. ``plain,hold=0``,
-    ``scheduled=prefix,hold=0.25``): the engine's ``admission_hold``, to measure what holding admissions brings; and
-    ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded forward): a ``PrefillCost`` with
-    ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards brings."""
+def parse_policy(spec: str, default_schedule: str = "padded") -> dict:
+    """A bench method's policy spec, ``plain`` | ``fixed`` | ``fixed=N`` | ``scheduler`` | ``scheduler=prefix`` |
+    ``scheduler=topk`` | any other registered verification policy (``threshold``) -> engine keyword arguments
+    (``hybrid`` takes every option of ``scheduler``; the old name ``scheduled`` goes to the engine as it is, which
+    warns); ``scheduler=...,ungated`` (e.g. ``scheduler=ungated``, ``scheduler=prefix,ungated``) turns the engine's
+    realized gate off, to measure what it brings, and ``scheduler=...,emitted`` has its realized gate count the
+    tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any policy takes
+    ``,hold=H`` (e.g. ``plain,hold=0``, ``scheduler=prefix,hold=0.25``): the engine's ``admission_hold``, to measure
+    what holding admissions brings; and ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded
+    forward): a ``PrefillCost`` with ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards
+    brings."""
     head, *options = spec.split(",")
     name, _, value = head.partition("=")
     kwargs: dict = {}
@@ -60,31 +58,31 @@ def parse_method(spec: str, default_schedule: str = "padded") -> dict:
         except ValueError:
             number = float("nan")
         if not math.isfinite(number) or number < 0:
-            raise ValueError(f"method {spec!r}: {key}=N needs a number N >= 0")
+            raise ValueError(f"policy {spec!r}: {key}=N needs a number N >= 0")
         if key == "hold":
             kwargs["admission_hold"] = number
         else:
             kwargs["prefill_cost"] = PrefillCost(fixed_tokens=number)
     if name == PLAIN and not value and not rest:
-        return {"method": PLAIN, **kwargs}
+        return {"policy": PLAIN, **kwargs}
     if name == "fixed" and not rest:
         if value and not value.isdigit():
-            raise ValueError(f"method {spec!r}: fixed=N needs a non-negative integer N")
-        return {"method": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
-    if scheduled_method(name):
+            raise ValueError(f"policy {spec!r}: fixed=N needs a non-negative integer N")
+        return {"policy": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
+    if scheduled_policy(name):
         options = ([value] if value else []) + rest
         flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
         schedules = [part for part in options if part not in flags]
         if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
             form = f"{name}[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
-            raise ValueError(f"method {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
-        out = {"method": name, "schedule": schedules[0] if schedules else default_schedule}
+            raise ValueError(f"policy {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
+        out = {"policy": name, "schedule": schedules[0] if schedules else default_schedule}
         out.update(flags[part] for part in options if part in flags)
         return {**out, **kwargs}
-    if policy_name(name) in VERIFICATION_POLICIES and not value and not rest:
-        return {"method": name, **kwargs}
-    raise ValueError(f"unknown method {spec!r}; expected plain, fixed[=N], scheduled[=padded|prefix|topk][,ungated]"
-                     f"[,emitted], hybrid with the options of scheduled, or another registered verification policy "
+    if current_policy(name) in VERIFICATION_POLICIES and not value and not rest:
+        return {"policy": name, **kwargs}
+    raise ValueError(f"unknown policy {spec!r}; expected plain, fixed[=N], scheduler[=padded|prefix|topk][,ungated]"
+                     f"[,emitted], hybrid with the options of scheduler, or another registered verification policy "
                      f"({', '.join(sorted(VERIFICATION_POLICIES))}), each with optional ,hold=H and ,prefill=F")
 
 
@@ -97,7 +95,7 @@ def measurements_from_report(path, methods: list[str]) -> dict:
     from .measurements import EngineMeasurements
 
     data = json.loads(Path(path).read_text())
-    scheduled = [m for m in methods if scheduled_method(parse_method(m)["method"])]
+    scheduled = [m for m in methods if scheduled_policy(parse_policy(m)["policy"])]
     if "key" in data:  # one EngineMeasurements file
         return {m: EngineMeasurements.from_dict(data) for m in scheduled}
     saved = data.get("measurements") or {}
@@ -124,18 +122,6 @@ def encode_prompts(tokenizer, records: list[dict], num_prompts: int | None,
                                                add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out.append((record["id"], inputs["input_ids"][0].tolist()))
     return out
-
-
-def pretouch_setting(dynamic_allocator: bool, pretouch_mib: int | None) -> int | None:
-    """Bytes of heap to pre-touch for the benches' ``--dynamic-allocator`` / ``--pretouch MIB`` options (None: the
-    allocator is left as the C library sets it). ``--pretouch`` goes with the pinned allocator and is >= 0."""
-    if dynamic_allocator and pretouch_mib is not None:
-        raise ValueError("--pretouch goes with the pinned allocator; --dynamic-allocator leaves glibc as it is")
-    if pretouch_mib is not None and pretouch_mib < 0:
-        raise ValueError(f"--pretouch must be >= 0 MiB, got {pretouch_mib}")
-    if dynamic_allocator:
-        return None
-    return (BENCH_PRETOUCH_MIB if pretouch_mib is None else pretouch_mib) << 20
 
 
 def add_measurement_arguments(parser, *, num_prompts: int = 64, max_new_tokens: int = 32,
@@ -180,15 +166,15 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _engine(target, drafter, concurrency: int, engine_kwargs: dict, sps, seed: int, measurements,
             **extra) -> DSparkEngine:
-    """An engine for one method (``parse_method``'s keyword arguments, and ``extra`` ones); scheduled ones price their
+    """An engine for one method (``parse_policy``'s keyword arguments, and ``extra`` ones); scheduled ones price their
     budget from ``sps`` (a prior: measured steps reprice it) and start from and add to ``measurements``."""
     kwargs = {**engine_kwargs, **extra}
     kwargs.setdefault("optimize_target", None)  # the caller optimised the shared target once (or chose not to)
-    if scheduled_method(kwargs["method"]):
+    if scheduled_policy(kwargs["policy"]):
         kwargs["sps"] = sps
         kwargs.setdefault("adapt_sps", True)  # the profile is a prior; measured steps price the budget
         kwargs["measurements"] = measurements
-    return DSparkEngine(target, drafter if kwargs["method"] != "plain" else None, max_concurrency=concurrency,
+    return DSparkEngine(target, drafter if kwargs["policy"] != "plain" else None, max_concurrency=concurrency,
                         seed=seed, **kwargs)
 
 
@@ -200,7 +186,7 @@ def run_once(target, drafter, prompts: list[list[int]], params: SamplingParams, 
     from tqdm.auto import tqdm
 
     ids = [engine.add_request(p, params) for p in prompts]
-    bar = tqdm(total=len(ids), desc=f"{engine_kwargs['method']} c={concurrency}", unit="request", leave=False)
+    bar = tqdm(total=len(ids), desc=f"{engine_kwargs['policy']} c={concurrency}", unit="request", leave=False)
     _sync(target)
     faults = page_faults()
     started = time.perf_counter()
@@ -386,7 +372,7 @@ def compile_scheduler_kernels(target, drafter, specs: dict[str, dict], concurren
     from .verification import schedule_kernel_kinds
 
     device = next(target.parameters()).device
-    kinds = sorted({kind for spec in specs.values() if scheduled_method(spec["method"])
+    kinds = sorted({kind for spec in specs.values() if scheduled_policy(spec["policy"])
                     for kind in schedule_kernel_kinds(spec["schedule"])})
     if device.type != "cuda" or not kinds:
         return None
@@ -412,13 +398,13 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
         raise ValueError(f"concurrencies must be >= 1, got {concurrencies}")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    specs = {m: parse_method(m, schedule) for m in methods}
-    if any(s["method"] != "plain" for s in specs.values()) and drafter is None:
+    specs = {m: parse_policy(m, schedule) for m in methods}
+    if any(s["policy"] != "plain" for s in specs.values()) and drafter is None:
         raise ValueError("drafting methods need a drafter")
     greedy = temperature == 0
     params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=not greedy,
                             temperature=temperature if not greedy else 1.0, top_p=top_p)
-    if sps is None and any(scheduled_method(s["method"]) for s in specs.values()):
+    if sps is None and any(scheduled_policy(s["policy"]) for s in specs.values()):
         from ..profiling import load_or_profile_batched, powers_of_two_with
 
         sizes = powers_of_two_with(concurrencies)
@@ -431,7 +417,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
     from .measurements import EngineMeasurements
 
     measurements = measurements or {}
-    scheduled = [name for name, spec in specs.items() if scheduled_method(spec["method"])]
+    scheduled = [name for name, spec in specs.items() if scheduled_policy(spec["policy"])]
     unknown = sorted(set(measurements) - set(scheduled))
     if unknown:
         raise ValueError(f"starting measurements for {unknown}, which are not scheduled methods of this run")
@@ -460,16 +446,16 @@ def lockstep_pairs(specs: dict[str, dict]) -> list[tuple[str, str]]:
 
 def _plain(specs: dict[str, dict]) -> str | None:
     """The first plain method of a bench (every other is compared with it), or None."""
-    return next((name for name, spec in specs.items() if spec["method"] == "plain"), None)
+    return next((name for name, spec in specs.items() if spec["policy"] == "plain"), None)
 
 
 def _baselines(specs: dict[str, dict], name: str) -> list[str]:
     """The methods ``name`` is compared with: plain (unless it is plain), and each fixed-length method for a
     scheduled one."""
     plain = _plain(specs)
-    fixed = [other for other, spec in specs.items() if spec["method"] == "fixed"]
+    fixed = [other for other, spec in specs.items() if spec["policy"] == "fixed"]
     return ([plain] if plain is not None and name != plain else []) + (
-        fixed if scheduled_method(specs[name]["method"]) else [])
+        fixed if scheduled_policy(specs[name]["policy"]) else [])
 
 
 def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], concurrencies: list[int],
@@ -566,7 +552,7 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                 summary["runs_beside"] = {partner: {"runs_tokens_per_s": [run[0]["tokens_per_s"] for run in mine],
                                                     "runs_counts": [_counts(run[0]) for run in mine]}
                                           for (member, partner), mine in beside.items() if member == name}
-            if greedy and spec["method"] == "plain":
+            if greedy and spec["policy"] == "plain":
                 reference = tokens
             results[name][str(concurrency)] = summary
             results[name][str(concurrency)]["_tokens"] = tokens
@@ -760,4 +746,4 @@ def plot_bench(report: dict, path: str | Path) -> Path:
 __all__ = ["BENCH_PRETOUCH_MIB", "StepClock", "add_measurement_arguments", "against_baseline",
            "against_baseline_by_request", "bench_interleaved", "bench_serve", "drafting_steps", "encode_prompts",
            "fix_allocator", "load_measurement_setup", "lockstep_pairs", "measurements_from_report", "page_faults",
-           "parse_method", "plot_bench", "pretouch_setting", "run_lockstep", "run_once", "serve", "serve_request"]
+           "parse_policy", "plot_bench", "pretouch_setting", "run_lockstep", "run_once", "serve", "serve_request"]

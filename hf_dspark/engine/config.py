@@ -1,15 +1,18 @@
-"""The engine's settings (``EngineConfig``) and the verification policy its ``method`` names."""
+"""The engine's settings (``EngineConfig``) and the verification policy its ``policy`` names."""
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..drafting import LookupSurvival
 from ..gate import EXPLORE_BUDGET
+from ..policy_names import DEFAULT_POLICY, DEPRECATED_POLICIES, PLAIN, current_policy
 from ..scheduling import VERIFICATION_POLICIES, FixedLengthPolicy, VerificationPolicy
 from .admission import ADMISSION_HOLD, PrefillCost
 from .measurements import EngineMeasurements
@@ -23,9 +26,6 @@ from .verification import SCHEDULES
 ENGINE_EXPLORE_BUDGET = EXPLORE_BUDGET / 5
 ENGINE_MAX_EXPLORE_INTERVAL = 4096
 GATE_TOKENS = ("progress", "emitted")  # what the realized gate counts as a step's output (``gate_tokens``)
-PLAIN = "plain"  # the method without a drafter: one token per request per step, the baseline
-# Engine method names older than the policy registry, and the policy each names.
-METHOD_ALIASES = {"scheduled": "scheduler"}
 
 
 @dataclass
@@ -33,14 +33,20 @@ class EngineConfig:
     """Settings of a ``DSparkEngine``.
 
     Args:
-        method: ``"plain"`` (no drafting: one token per request per step, the baseline) or the name of a
+        policy: ``"plain"`` (no drafting: one token per request per step, the baseline) or the name of a
             registered verification policy (``scheduling.register_verification_policy``), the same names
             ``generate()`` takes: ``"fixed"`` (every request verifies ``num_verify_tokens`` drafts, default the
-            whole block), ``"threshold"``, ``"scheduler"`` (spelled ``"scheduled"`` too: a shared budget per step
-            from the drafter's confidences and the SPS curve) or ``"hybrid"`` (the scheduler, and each request
-            whose prompt lookup pays at this batch size verifies the lookup's drafts instead of the drafter's
-            block). Default: ``"scheduled"`` with a drafter, ``"plain"`` without.
-        num_verify_tokens: the drafts ``"fixed"`` verifies (default: the whole block).
+            whole block), ``"threshold"``, ``"scheduler"`` (a shared budget per step from the drafter's confidences
+            and the SPS curve) or ``"hybrid"`` (the scheduler, and each request whose prompt lookup pays at this
+            batch size verifies the lookup's drafts instead of the drafter's block). Default (or None):
+            ``policy_names.DEFAULT_POLICY``, ``"hybrid"``, the default of every entry point; an engine built without
+            a drafter runs the default as ``"plain"``. The old name ``"scheduled"`` still means ``"scheduler"``,
+            with a ``FutureWarning``.
+        method: the deprecated name of ``policy``: ``EngineConfig(method=...)`` sets ``policy`` with a
+            ``FutureWarning`` (``ValueError`` where ``policy`` is given too, and differs); ``config.method`` reads
+            ``policy``.
+        num_verify_tokens: the drafts ``"fixed"`` verifies (default: the whole block). Where the drafter's
+            ``generation_config.num_verify_tokens`` says otherwise, this one is used, with a warning.
     schedule: ``"padded"`` (the default: Algorithm 1 by width layers, for the padded batch this engine runs, whose
         cost is R * (1 + longest verification) tokens), ``"prefix"`` (Algorithm 1 over single entries, costed as
         if the batch were packed: R + sum of lengths) or ``"topk"`` (dynamic top-K: the capacity comes from the
@@ -126,7 +132,8 @@ class EngineConfig:
         rows are out of step it is a lower bound. ``"emitted"``: the tokens the step emitted. The count is kept
         with the measurements (``EngineMeasurements.gate_tokens``): windows counted the other way are refused.
     lookup_max_ngram: under ``"hybrid"``, the longest suffix of a request's tokens that prompt lookup matches
-        (``hf_dspark.generation.prompt_lookup``).
+        (``hf_dspark.generation.prompt_lookup``). Where the drafter's ``generation_config.lookup_max_ngram`` says
+        otherwise, this one is used, with a warning.
     seed: seeds the engine's generator (drafting, acceptance and target sampling).
     optimize_target: ``hf_dspark.optimize_target``'s mode, applied to the target (in place) when the engine is
         built: ``"auto"`` (the default: oneDNN-prepacked linears where they measure faster on this machine; a target
@@ -137,7 +144,7 @@ class EngineConfig:
         of several engines stepped in turn a clock that runs only during its own steps.
     """
 
-    method: str | None = None
+    policy: str | None = DEFAULT_POLICY
     num_verify_tokens: int | None = None
     schedule: str = "padded"
     sps: Any = None
@@ -164,7 +171,21 @@ class EngineConfig:
     clock: Callable[[], float] = time.perf_counter
     tokenizer: Any = None
 
+    @property
+    def method(self) -> str:
+        """The deprecated name of ``policy``."""
+        return self.policy
+
     def __post_init__(self):
+        if self.policy is None:
+            self.policy = DEFAULT_POLICY
+        if self.policy in DEPRECATED_POLICIES:
+            warnings.warn(f"policy {self.policy!r} is deprecated; use {current_policy(self.policy)!r}", FutureWarning,
+                          stacklevel=4)
+            self.policy = current_policy(self.policy)
+        if self.policy != PLAIN and self.policy not in VERIFICATION_POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; expected {PLAIN!r} or a registered verification "
+                             f"policy: {sorted(VERIFICATION_POLICIES)}")
         if self.optimize_target not in (None, "auto", "on", "off"):
             raise ValueError(f"optimize_target must be 'auto', 'on', 'off' or None, got {self.optimize_target!r}")
         if self.schedule not in SCHEDULES:
@@ -197,31 +218,55 @@ class EngineConfig:
             raise ValueError(f"unknown gate_tokens {self.gate_tokens!r}; expected one of {GATE_TOKENS}")
         if self.lookup_max_ngram < 1:
             raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
-        if self.method is not None and self.method != PLAIN and policy_name(self.method) not in VERIFICATION_POLICIES:
-            raise ValueError(f"unknown method {self.method!r}; expected {PLAIN!r} or a registered verification "
-                             f"policy: {sorted([*VERIFICATION_POLICIES, *METHOD_ALIASES])}")
 
 
-def policy_name(method: str) -> str:
-    """The registered policy an engine ``method`` names (``METHOD_ALIASES`` spell some differently)."""
-    return METHOD_ALIASES.get(method, method)
+def _accepting_method(init: Callable) -> Callable:
+    """``EngineConfig.__init__`` that also takes ``method=``, the deprecated name of ``policy``. Not a field: a field
+    would be one more value for ``dataclasses.replace`` to carry over, and to set against a new ``policy``."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, method: str | None = None, **kwargs):
+        if method is not None:
+            warnings.warn("EngineConfig(method=) is deprecated; use policy=", FutureWarning, stacklevel=2)
+            if kwargs.get("policy") not in (None, method):
+                raise ValueError(f"policy={kwargs['policy']!r} and method={method!r} disagree: method is the "
+                                 f"deprecated name of policy; pass policy alone")
+            kwargs["policy"] = method
+        init(self, *args, **kwargs)
+
+    return __init__
 
 
-def scheduled_method(method: str) -> bool:
-    """Whether ``method`` names a policy that shares a step's verification budget by the SPS curve (the scheduler,
-    the hybrid)."""
-    return getattr(VERIFICATION_POLICIES.get(policy_name(method)), "needs_sps", False)
+EngineConfig.__init__ = _accepting_method(EngineConfig.__init__)
+
+
+def scheduled_policy(policy: str) -> bool:
+    """Whether ``policy`` (old names too) shares a step's verification budget by the SPS curve (the scheduler, the
+    hybrid)."""
+    return getattr(VERIFICATION_POLICIES.get(current_policy(policy)), "needs_sps", False)
 
 
 def engine_policy(config: EngineConfig, drafter) -> VerificationPolicy:
-    """The verification policy ``config.method`` names, for ``drafter``: built from the drafter's generation config
+    """The verification policy ``config.policy`` names, for ``drafter``: built from the drafter's generation config
     as ``generate()`` builds it, with the engine's own settings where the engine has them (``num_verify_tokens``,
-    ``lookup_max_ngram``; a lookup survival estimate of its own)."""
-    name = policy_name(config.method)
-    if name == "fixed":
+    ``lookup_max_ngram``: a warning where the generation config sets another value; a lookup survival estimate of
+    its own)."""
+    if config.policy == "fixed":
+        _engine_setting(config, drafter.generation_config, "num_verify_tokens")
         return FixedLengthPolicy(config.num_verify_tokens)
-    policy = VERIFICATION_POLICIES[name].from_generation_config(drafter.generation_config, drafter.config.block_size)
+    policy = VERIFICATION_POLICIES[config.policy].from_generation_config(drafter.generation_config,
+                                                                          drafter.config.block_size)
     if policy.draft_sources:
-        policy.max_ngram = config.lookup_max_ngram
+        policy.max_ngram = _engine_setting(config, drafter.generation_config, "lookup_max_ngram")
         policy.set_lookup_survival(LookupSurvival(drafter.config.block_size))
     return policy
+
+
+def _engine_setting(config: EngineConfig, generation_config, name: str):
+    """``config``'s value of the setting ``name``, with a warning where the drafter's generation config sets
+    another."""
+    value, drafter_value = getattr(config, name), getattr(generation_config, name, None)
+    if drafter_value is not None and drafter_value != value:
+        warnings.warn(f"the engine uses EngineConfig.{name}={value!r}, not the drafter's generation_config.{name}="
+                      f"{drafter_value!r}", UserWarning, stacklevel=5)
+    return value

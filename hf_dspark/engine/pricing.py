@@ -4,6 +4,7 @@ verify times the engine measures (``VerifyPricing``)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 
 import torch
@@ -11,6 +12,8 @@ import torch
 from ..profiling import monotone_fit
 from ..scheduling import StepsPerSecond
 from .measurements import EngineMeasurements
+
+logger = logging.getLogger(__name__)
 
 # Weight of the profile's shape (at the engine's measured level) against a width's own verify timings when pricing
 # it (``VerifyPricing.sps_table``): a width with a full window of 16 timings moves a third of the way from the shape
@@ -131,18 +134,24 @@ class VerifyPricing:
         nearest = min(sizes, key=lambda r: (abs(math.log(r / num_requests)), -r))
         return max(0.0, ratios[nearest][width] - self._log_level(nearest, ratios))
 
+    def profile(self, progress=None) -> None:
+        """Load or measure the batched profile now (cached per machine), instead of at the first scheduled step:
+        ``progress`` is ``load_or_profile_batched``'s. Nothing to do when a profile was given or is loaded."""
+        if self.sps is not None:
+            return
+        from ..profiling import load_or_profile_batched, powers_of_two_with
+
+        sizes = powers_of_two_with([self.max_concurrency or 64])
+        # The scheduler kernels this engine started compiling in the background wait meanwhile: a compile beside the
+        # timed forwards would price them slower than they run (``KernelWarmup.quiet``).
+        with self._quiet_kernels():
+            self.sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
+                                                hidden_state_indices=self.taps, progress=progress)
+
     def profiled_table(self, num_requests: int) -> torch.Tensor:
         table = self._tables.get(num_requests)
         if table is None:
-            if self.sps is None:
-                from ..profiling import load_or_profile_batched, powers_of_two_with
-
-                sizes = powers_of_two_with([self.max_concurrency or 64])
-                # The scheduler kernels this engine started compiling in the background wait meanwhile: a compile
-                # beside the timed forwards would price them slower than they run (``KernelWarmup.quiet``).
-                with self._quiet_kernels():
-                    self.sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
-                                                        hidden_state_indices=self.taps)
+            self.profile(_announce_in_step)
             if isinstance(self.sps, StepsPerSecond):
                 table = self.sps.table()
             else:
@@ -160,3 +169,12 @@ class VerifyPricing:
         from ..kernels.scheduler import WARMUP
 
         return WARMUP.quiet(timeout=KERNEL_QUIET_TIMEOUT_S)
+
+
+def _announce_in_step(done: list[int], sizes: list[int], seconds: float) -> None:
+    """Where a step has to measure the profile (nobody called ``DSparkEngine.prepare``), the wait is said, not
+    silent."""
+    if not done:
+        logger.warning("measuring the target's verification cost at batch sizes %s before the first scheduled step "
+                       "(once per machine, dtype and thread count, then cached; DSparkEngine.prepare() does it up "
+                       "front)", ", ".join(map(str, sizes)))

@@ -151,7 +151,7 @@ class EngineStats:
 
     active: list[int] = field(default_factory=list)
     drafting: list[int] = field(default_factory=list)
-    lookups: list[int] = field(default_factory=list)  # requests verifying a prompt-lookup draft (method "hybrid")
+    lookups: list[int] = field(default_factory=list)  # requests verifying a prompt-lookup draft (policy "hybrid")
     verify_tokens: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)  # padded block width (1 + longest verification) per step
     cache_widths: list[int] = field(default_factory=list)  # target cache columns (valid and holes) each step attended

@@ -1,11 +1,31 @@
-"""Evaluation: rollouts over prompt sets, the paper's metrics, the ``hf-dspark eval`` report, ``evaluate`` modules."""
+"""Evaluation: rollouts over prompt sets, the paper's metrics, the ``hf-dspark eval`` report, ``evaluate`` modules.
 
+``metrics`` and the rollout functions load (with torch) on first use: the command line reads ``evaluation.settings``
+and ``evaluation.bench_report`` through this package without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import metrics
-from .rollouts import MethodResult, chat_inputs, rollout_record, run_rollouts, summarise
+if TYPE_CHECKING:
+    from . import metrics
+    from .rollouts import MethodResult, chat_inputs, rollout_record, run_rollouts, summarise
 
 MODULES_DIR = Path(__file__).parent / "modules"
+_ROLLOUTS = ("MethodResult", "chat_inputs", "rollout_record", "run_rollouts", "summarise")
+
+
+def __getattr__(name: str):
+    if name == "metrics":
+        return importlib.import_module(".metrics", __name__)
+    if name not in _ROLLOUTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".rollouts", __name__), name)
+    globals()[name] = value
+    return value
 
 
 def evaluate_module_path(name: str) -> str:

@@ -210,7 +210,7 @@ def batched_rollouts(target, tokenizer, records: list[dict], methods: dict[str, 
         for m, (name, settings) in enumerate(methods.items()):
             histories: list[list[dict]] = [[] for _ in records]
             for turn_index in range(max(len(t) for t in turns)):
-                engine = DSparkEngine(target, settings["drafter"], method="fixed", optimize_target=None,
+                engine = DSparkEngine(target, settings["drafter"], policy="fixed", optimize_target=None,
                                       num_verify_tokens=settings.get("num_verify_tokens"),
                                       max_concurrency=concurrency, seed=seed * 1_000_003 + 1000 * m + turn_index)
                 waiting: dict[str, tuple[int, list[dict]]] = {}

@@ -10,8 +10,8 @@ file, put on disk and renamed when complete (``checkpoints.publish``), so killin
 progress, and a restart skips every finished shard and overwrites the temp file. ``manifest.json`` (written the same
 way) pins the settings; resuming with different settings is refused.
 
-Reading it back: ``list_shards`` / ``load_sequences`` here (what the trainer and the feature cache train on),
-``prompts.iter_regenerated`` for the records (``excluded_prompt_ids`` reads their ids; re-exported here).
+Reading it back: ``list_shards`` (from ``settings``) / ``load_sequences`` here (what the trainer and the feature cache
+train on), ``prompts.iter_regenerated`` for the records (``excluded_prompt_ids`` reads their ids; re-exported here).
 """
 
 from __future__ import annotations
@@ -20,43 +20,17 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from ..prompts import iter_regenerated  # noqa: F401  (re-exported: it lived here)
-from ..prompts import SAMPLINGS, excluded_prompt_ids, load_prompts, sample_prompts
+from ..prompts import excluded_prompt_ids, load_prompts, sample_prompts
 from .checkpoints import publish, write_atomic
+from .settings import RegenerationSettings, list_shards  # noqa: F401  (list_shards re-exported: it lived here)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RegenerationSettings:
-    """What the target regenerates: which prompts, in what order, sampled how (``help`` is the flag's text)."""
-
-    prompt_paths: list[str] = field(metadata={
-        "flag": "--prompts",
-        "help": "prompt .jsonl files or folders (JSON Lines, one prompt per line: see data/README.md)"})
-    shard_size: int = field(default=64, metadata={"help": "prompts per shard (the unit a rerun resumes from)",
-                                                  "bounds": (1, None)})
-    batch_size: int = field(default=16, metadata={"help": "prompts sampled at once", "bounds": (1, None)})
-    max_new_tokens: int = field(default=256, metadata={"help": "longest response per turn", "bounds": (1, None)})
-    temperature: float = field(default=0.2, metadata={"help": "sampling temperature (SmolLM2-Instruct's "
-                                                                "recommended 0.2)", "bounds": (0, None)})
-    top_p: float = field(default=0.9, metadata={"help": "nucleus sampling mass", "bounds": (0, 1)})
-    seed: int = field(default=0, metadata={"help": "seed of the prompt order and the sampling"})
-    max_prompts: int | None = field(default=None, metadata={"help": "regenerate at most this many prompts "
-                                                                      "(default: all)", "bounds": (1, None)})
-    dtype: str = field(default="bfloat16", metadata={"help": "the target's weight dtype",
-                                                     "choices": ["bfloat16", "float16", "float32"]})
-    exclude: list[str] = field(default_factory=list, metadata={
-        "help": "prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "
-                "or text files of prompt ids, one per line (see prompts.excluded_prompt_ids)", "nargs": "*"})
-    sampling: str = field(default="shuffled", metadata={
-        "help": "order the prompts are taken in (and cut by --max-prompts): uniformly shuffled, or balanced "
-                "round-robin over the prompt sets", "choices": SAMPLINGS})
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -186,17 +160,6 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
     finished = sorted(output_dir.glob("shard-*.jsonl"))
     return {"output_dir": str(output_dir), "shards": len(finished), "shards_total": len(shards),
             "new_sequences": new_lines, "elapsed_s": time.time() - started}
-
-
-def list_shards(data_dirs: list[str]) -> list[str]:
-    """The finished shards of regenerated folders, folder by folder in shard order."""
-    shards = []
-    for d in data_dirs:
-        found = sorted(str(p) for p in Path(d).glob("shard-*.jsonl"))
-        if not found:
-            raise FileNotFoundError(f"no finished shards (shard-*.jsonl) in {d}")
-        shards.extend(found)
-    return shards
 
 
 def load_sequences(shards: list[str], max_length: int) -> list[dict]:

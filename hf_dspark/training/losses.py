@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ..modeling_dspark import BlockLayout
+from .settings import DEFAULT_LOSS_WEIGHTS
 
-DEFAULT_LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "confidence": 1.0}  # the paper's defaults
 CONFIDENCE_TARGETS = ("sampling", "greedy")
 
 
