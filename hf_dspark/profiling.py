@@ -51,9 +51,10 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-# The contexts a generate() profile times each B at: two short ones and one long enough that the growth of a forward's
-# cost with its context is measured rather than guessed (capped by the target's own context).
-PROFILE_CONTEXTS = (64, 256, 2048)
+# The contexts a generate() profile times each B at: a short one and one long enough that the growth of a forward's
+# cost with its context is measured rather than guessed (capped by the target's own context); the line through the
+# two is each B's context model.
+PROFILE_CONTEXTS = (256, 2048)
 # The context the profiled curve stands for; other contexts are read from each B's line (StepsPerSecond.at_context).
 REFERENCE_CONTEXT = 256
 # A context model needs a measured context at least this long (else the profile is one curve for every context).
@@ -331,6 +332,9 @@ def powers_of_two_with(values) -> list[int]:
     return sorted({1 << k for k in range(top.bit_length())} | {int(v) for v in values})
 
 
+# A batched profile's most timed rounds: fewer than a generate() profile's, since the engine reprices every width it
+# runs from its own verify timings (``engine/pricing.py``) and the profile only has to start it near the truth.
+BATCHED_REPEATS = 3
 # Up to this many tokens in the batch, a batched profile times every width q (see ``profiled_widths``).
 EVERY_WIDTH_TOKENS = 32
 
@@ -351,7 +355,7 @@ def profiled_widths(num_requests: int, tokens_per_request: int) -> list[int]:
 
 @torch.no_grad()
 def measure_batched_steps_per_second(model, num_requests: int, tokens_per_request: list[int], context_length: int = 256,
-                                     repeats: int = 5, hidden_state_indices: list[int] | None = None,
+                                     repeats: int = BATCHED_REPEATS, hidden_state_indices: list[int] | None = None,
                                      time_budget_s: float = 60.0) -> tuple[StepsPerSecond, dict]:
     """Steps/s of the engine's verification forward: ``num_requests`` rows of ``context_length`` cached tokens each,
     ``q`` new tokens per row (the padded batch the engine runs), for each q in ``tokens_per_request``.
@@ -407,7 +411,7 @@ def measure_batched_steps_per_second(model, num_requests: int, tokens_per_reques
 
 
 def load_or_profile_batched(model, batch_sizes: list[int], tokens_per_request: int, folder: Path | None = None,
-                            context_length: int = 256, repeats: int = 5,
+                            context_length: int = 256, repeats: int = BATCHED_REPEATS,
                             hidden_state_indices: list[int] | None = None,
                             time_budget_s: float = 60.0, progress=None) -> BatchedStepsPerSecond:
     """The cached batched SPS profile covering ``batch_sizes`` requests with up to ``tokens_per_request`` tokens each
