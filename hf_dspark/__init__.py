@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .configuration_dspark import DSparkConfig
     from .draft_sampling import DSparkDraft
-    from .drafting import DSparkStats
     from .generation import DSparkCandidateGenerator
     from .modeling_dspark import DSparkContextCache, DSparkDrafter, DSparkOutput
     from .scheduling import (
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
         VerificationPolicy,
         register_verification_policy,
     )
+    from .stats import DSparkStats
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ _PUBLIC = {
     "DSparkDraft": "draft_sampling",
     "DSparkDrafter": "modeling_dspark",
     "DSparkOutput": "modeling_dspark",
-    "DSparkStats": "drafting",
+    "DSparkStats": "stats",
     "FixedLengthPolicy": "scheduling",
     "VerificationPolicy": "scheduling",
     "register_verification_policy": "scheduling",

@@ -23,16 +23,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .drafting import DSparkStats
 from .generation import DSparkRound
 from .policy_names import DEFAULT_POLICY
-from .scheduling import (
-    ConfidenceThresholdPolicy,
-    FixedLengthPolicy,
-    HybridPolicy,
-    PrefixSchedulerPolicy,
-    VerificationPolicy,
-)
+from .scheduling import VerificationPolicy, build_policy
+from .stats import DSparkStats
 
 POLICIES = ("hybrid", "fixed", "threshold", "scheduler")  # the policies the demo offers, the default first
 UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
@@ -197,21 +191,16 @@ def make_policy(name: str, num_verify: int, threshold: float, block_size: int, s
     needed by ``scheduler`` and ``hybrid``)."""
     if not 1 <= int(num_verify) <= block_size:
         raise ValueError(f"draft tokens to verify must be in 1..{block_size}, got {num_verify}")
-    if name == "hybrid":
-        if sps is None:
-            raise ValueError("the hybrid policy needs the target's SPS profile")
-        return HybridPolicy(sps)
-    if name == "fixed":
-        return FixedLengthPolicy(int(num_verify))
-    if name == "threshold":
-        inner = ConfidenceThresholdPolicy(float(threshold))
-    elif name == "scheduler":
-        if sps is None:
-            raise ValueError("the scheduler policy needs the target's SPS profile")
-        inner = PrefixSchedulerPolicy(sps)
-    else:
+    if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return inner if int(num_verify) == block_size else CappedPolicy(inner, int(num_verify))
+    if name in ("hybrid", "scheduler") and sps is None:
+        raise ValueError(f"the {name} policy needs the target's SPS profile")
+    # every other setting at its default (the drafter's generation_config is not read)
+    settings = {"hybrid": dict(sps_profile=sps), "fixed": dict(num_verify_tokens=int(num_verify)),
+                "threshold": dict(confidence_threshold=float(threshold)), "scheduler": dict(sps_profile=sps)}[name]
+    policy = build_policy(name, None, block_size, **settings)
+    capped = name in ("threshold", "scheduler") and int(num_verify) != block_size
+    return CappedPolicy(policy, int(num_verify)) if capped else policy
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ Verification itself (greedy matching or rejection sampling, EOS / max-length cro
 committed round where any stopping criterion fires inside it (transformers checks the criteria only at the end of a
 round, so a stop string completed by an accepted draft would otherwise run on past it).
 
-This file is self-contained (torch + transformers + its siblings ``drafting``, ``gate`` and ``scheduling``), because
-exported folders carry it.
+This file is self-contained (torch + transformers + its siblings ``attention``, ``clock``, ``draft_sources``, ``gate``,
+``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
 """
 
 from __future__ import annotations
@@ -38,35 +38,26 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
-    from .drafting import (
-        DRAFT_SOURCES,
-        Draft,
-        DSparkStats,
-        LookupSurvival,
-        rollback_refusal,
-        seconds_between,
-        time_mark,
-    )
     from .attention import packed_attention
+    from .clock import seconds_between, time_mark
+    from .draft_sources import DRAFT_SOURCES, Draft, LookupSurvival
     from .gate import RealizedGate
-    from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
+    from .rollback import rollback_refusal
+    from .scheduling import VerificationPolicy, ema, lookup_max_tokens, policy_from_generation_config
+    from .stats import DSparkStats
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from drafting import (  # type: ignore[no-redef]
-        DRAFT_SOURCES,
-        Draft,
-        DSparkStats,
-        LookupSurvival,
-        rollback_refusal,
-        seconds_between,
-        time_mark,
-    )
     from attention import packed_attention  # type: ignore[no-redef]
+    from clock import seconds_between, time_mark  # type: ignore[no-redef]
+    from draft_sources import DRAFT_SOURCES, Draft, LookupSurvival  # type: ignore[no-redef]
     from gate import RealizedGate  # type: ignore[no-redef]
+    from rollback import rollback_refusal  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         VerificationPolicy,
+        ema,
         lookup_max_tokens,
         policy_from_generation_config,
     )
+    from stats import DSparkStats  # type: ignore[no-redef]
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -257,7 +248,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 self._fold_draft_seconds(seconds_between(started, ended))
 
     def _fold_draft_seconds(self, seconds: float) -> None:
-        self._draft_seconds = seconds if self._draft_seconds is None else 0.7 * self._draft_seconds + 0.3 * seconds
+        self._draft_seconds = ema(self._draft_seconds, seconds)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup)."""

@@ -11,7 +11,7 @@ A policy decides for R rows at once (``verify_lengths``): ``generate()`` asks it
 all of its rows, and its name (``register_verification_policy``) selects it in both (``verification_policy`` in the
 drafter's generation config, ``DSparkEngine(policy=)``, ``bench --policies``, ``bench-serve --policies``).
 
-This file is self-contained (torch + its siblings ``drafting`` and ``gate``): exported drafter folders carry it in
+This file is self-contained (torch + its siblings ``draft_sources`` and ``gate``): exported drafter folders carry it in
 ``custom_generate/``.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying the siblings next to this file
-    from .drafting import LookupSurvival, registrar
+    from .draft_sources import LookupSurvival, check_lookup_ngram, registrar
     from .gate import EXPLORE_BUDGET, RealizedGate
 except ImportError:  # pragma: no cover - loaded as a top-level module
-    from drafting import LookupSurvival, registrar  # type: ignore[no-redef]
+    from draft_sources import LookupSurvival, check_lookup_ngram, registrar  # type: ignore[no-redef]
     from gate import EXPLORE_BUDGET, RealizedGate  # type: ignore[no-redef]
 
 VERIFICATION_POLICIES: dict[str, type["VerificationPolicy"]] = {}
@@ -43,7 +43,7 @@ class VerificationPolicy:
     needs_confidences = False
     needs_sps = False  # prices verification by the SPS profile: the engine shares its verification budget by it
     uses_realized_gate = False  # True: the candidate generator hands it a shared ``RealizedGate``
-    draft_sources: tuple[str, ...] = ()  # sources (``drafting.DRAFT_SOURCES``) it prices against the block
+    draft_sources: tuple[str, ...] = ()  # sources (``draft_sources.DRAFT_SOURCES``) it prices against the block
 
     @classmethod
     def from_generation_config(cls, generation_config: Any, block_size: int) -> "VerificationPolicy":
@@ -392,6 +392,29 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------------------
 # Whether drafting pays: the rules generate()'s scheduler and the engine's share
 # ------------------------------------------------------------------------------------------------------------------
+def check_probe_settings(probe_interval: int, max_probe_interval: int, confidence_smoothing: float) -> None:
+    """Refuse ``ConfidenceMemory`` settings out of range: ``1 <= probe_interval <= max_probe_interval``,
+    ``confidence_smoothing`` in (0, 1]. The one check of these settings (the memory, ``EngineConfig``)."""
+    if probe_interval < 1:
+        raise ValueError(f"probe_interval must be >= 1, got {probe_interval}")
+    if max_probe_interval < probe_interval:
+        raise ValueError(f"max_probe_interval ({max_probe_interval}) must be >= probe_interval ({probe_interval})")
+    if not 0.0 < confidence_smoothing <= 1.0:
+        raise ValueError(f"confidence_smoothing must be in (0, 1], got {confidence_smoothing}")
+
+
+def check_explore_settings(explore_interval: int, max_explore_interval: int, explore_budget: float) -> None:
+    """Refuse realized-gate settings out of range: ``1 <= explore_interval <= max_explore_interval``,
+    ``explore_budget`` in [0, 1). The one check of these settings (``PrefixSchedulerPolicy``, ``EngineConfig``)."""
+    if explore_interval < 1:
+        raise ValueError(f"explore_interval must be >= 1, got {explore_interval}")
+    if max_explore_interval < explore_interval:
+        raise ValueError(f"max_explore_interval ({max_explore_interval}) must be >= explore_interval "
+                         f"({explore_interval})")
+    if not 0.0 <= explore_budget < 1.0:
+        raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
+
+
 class ConfidenceMemory:
     """What a sequence's earlier drafts predict about its next one, and when it probes.
 
@@ -404,11 +427,7 @@ class ConfidenceMemory:
 
     def __init__(self, probe_interval: int = 4, max_probe_interval: int = 64, smoothing: float = 0.1,
                  prior: torch.Tensor | None = None):
-        if probe_interval < 1 or max_probe_interval < probe_interval:
-            raise ValueError(f"need 1 <= probe_interval <= max_probe_interval, got {probe_interval}, "
-                             f"{max_probe_interval}")
-        if not 0.0 < smoothing <= 1.0:
-            raise ValueError(f"confidence_smoothing must be in (0, 1], got {smoothing}")
+        check_probe_settings(probe_interval, max_probe_interval, smoothing)
         self.probe_interval, self.max_probe_interval, self.smoothing = probe_interval, max_probe_interval, smoothing
         self.smoothed = self.last = prior
         self.idle = 0  # rounds since the last draft
@@ -453,6 +472,16 @@ def drafting_pays(tokens: float, verify_seconds: float, draft_seconds: float, pl
     return tokens / (verify_seconds + draft_seconds) * drafting_factor > plain_rate * plain_factor
 
 
+# Weight of the newest timing in the drafter's moving average (``ema``): generate()'s candidate generator and the
+# engine's ``EngineMeasurements`` smooth the drafter's measured seconds the same way.
+EMA_WEIGHT = 0.3
+
+
+def ema(previous: float | None, value: float) -> float:
+    """Exponential moving average with ``EMA_WEIGHT`` on the newest value (the value itself when there is none)."""
+    return value if previous is None else (1.0 - EMA_WEIGHT) * previous + EMA_WEIGHT * value
+
+
 # Tokens per step of the context at which a scheduling policy re-reads its SPS table (``set_context``): at 7k tokens of
 # SmolLM2-135M on CPU a forward gains ~1% of its time per 128 tokens.
 CONTEXT_BUCKET = 128
@@ -493,11 +522,7 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         ungated scheduler's 1.00x in the same run (``hf-dspark bench --policies scheduler scheduler=gated``): one
         sequence gives it too few drafting rounds per verdict, and what it blocks includes the rounds that would have
         won."""
-        if explore_interval < 1 or max_explore_interval < explore_interval:
-            raise ValueError(f"need 1 <= explore_interval <= max_explore_interval, got {explore_interval}, "
-                             f"{max_explore_interval}")
-        if not 0.0 <= explore_budget < 1.0:
-            raise ValueError(f"explore_budget must be in [0, 1), got {explore_budget}")
+        check_explore_settings(explore_interval, max_explore_interval, explore_budget)
         self.sps = sps
         self._table = None if sps is None else sps.table()
         self._plain_rate = None if sps is None else float(self._table[1])  # SPS(1): plain decoding's tokens/s
@@ -516,15 +541,22 @@ class PrefixSchedulerPolicy(VerificationPolicy):
 
     @classmethod
     def from_generation_config(cls, generation_config, block_size):
+        return cls(**cls.generation_settings(generation_config))
+
+    @classmethod
+    def generation_settings(cls, generation_config: Any) -> dict[str, Any]:
+        """The constructor's arguments from ``generation_config`` (unset: the defaults). ``sps_profile`` is a
+        profile's dict, or a ``StepsPerSecond`` itself."""
         profile = getattr(generation_config, "sps_profile", None)
-        return cls(StepsPerSecond.from_dict(profile) if profile else None,
-                   online_correction=bool(getattr(generation_config, "online_correction", True)),
-                   skip_drafting=bool(getattr(generation_config, "skip_drafting", True)),
-                   confidence_smoothing=float(getattr(generation_config, "confidence_smoothing", None) or 0.1),
-                   realized_gate=bool(getattr(generation_config, "realized_gate", None)),
-                   explore_interval=int(getattr(generation_config, "explore_interval", None) or 16),
-                   max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256),
-                   explore_budget=_explore_budget(generation_config))
+        sps = profile if isinstance(profile, StepsPerSecond) else StepsPerSecond.from_dict(profile) if profile else None
+        return dict(sps=sps,
+                    online_correction=bool(getattr(generation_config, "online_correction", True)),
+                    skip_drafting=bool(getattr(generation_config, "skip_drafting", True)),
+                    confidence_smoothing=float(getattr(generation_config, "confidence_smoothing", None) or 0.1),
+                    realized_gate=bool(getattr(generation_config, "realized_gate", None)),
+                    explore_interval=int(getattr(generation_config, "explore_interval", None) or 16),
+                    max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256),
+                    explore_budget=_explore_budget(generation_config))
 
     def set_sps(self, sps: StepsPerSecond) -> None:
         self.sps, self._table = sps, sps.table()
@@ -633,6 +665,14 @@ class PrefixSchedulerPolicy(VerificationPolicy):
 LOOKUP_MAX_TOKENS = 16
 
 
+def check_lookup_settings(max_ngram: int, max_lookup_tokens: int) -> None:
+    """Refuse the hybrid policy's prompt-lookup settings out of range: ``lookup_max_ngram`` (``check_lookup_ngram``)
+    and ``lookup_max_tokens``, each at least 1."""
+    check_lookup_ngram(max_ngram)
+    if max_lookup_tokens < 1:
+        raise ValueError(f"lookup_max_tokens must be >= 1, got {max_lookup_tokens}")
+
+
 def lookup_max_tokens(generation_config: Any) -> int:
     """``generation_config.lookup_max_tokens``, ``LOOKUP_MAX_TOKENS`` when unset (a value given, 0 included, is
     kept for the policy to check)."""
@@ -644,7 +684,7 @@ def lookup_max_tokens(generation_config: Any) -> int:
 class HybridPolicy(PrefixSchedulerPolicy):
     """Several draft sources under one cost model: the drafter's block and the sources named in ``draft_sources``
     (by default the prompt lookup: the continuation of the latest earlier occurrence of the sequence's last tokens,
-    free to propose; ``drafting.DRAFT_SOURCES``).
+    free to propose; ``draft_sources.DRAFT_SOURCES``).
 
     Each round every source's offer is priced from its own confidences (the lookup's ``LookupSurvival``) as
     Algorithm 1 prices the block's, by expected tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; the block is
@@ -663,26 +703,17 @@ class HybridPolicy(PrefixSchedulerPolicy):
 
     def __init__(self, *args, max_ngram: int = 4, max_lookup_tokens: int = LOOKUP_MAX_TOKENS, **kwargs):
         super().__init__(*args, **kwargs)
-        if max_ngram < 1:
-            raise ValueError(f"lookup_max_ngram must be >= 1, got {max_ngram}")
-        if max_lookup_tokens < 1:
-            raise ValueError(f"lookup_max_tokens must be >= 1, got {max_lookup_tokens}")
+        check_lookup_settings(max_ngram, max_lookup_tokens)
         self.max_ngram = max_ngram
         self.max_lookup_tokens = max_lookup_tokens
         self.lookup: LookupSurvival | None = None
 
     @classmethod
-    def from_generation_config(cls, generation_config, block_size):
-        policy = super().from_generation_config(generation_config, block_size)
+    def generation_settings(cls, generation_config):
         # Unset (None) takes the default; any value given, 0 included, is checked.
         ngram = getattr(generation_config, "lookup_max_ngram", None)
-        policy.max_ngram = 4 if ngram is None else int(ngram)
-        if policy.max_ngram < 1:
-            raise ValueError(f"lookup_max_ngram must be >= 1, got {policy.max_ngram}")
-        policy.max_lookup_tokens = lookup_max_tokens(generation_config)
-        if policy.max_lookup_tokens < 1:
-            raise ValueError(f"lookup_max_tokens must be >= 1, got {policy.max_lookup_tokens}")
-        return policy
+        return {**super().generation_settings(generation_config), "max_ngram": 4 if ngram is None else int(ngram),
+                "max_lookup_tokens": lookup_max_tokens(generation_config)}
 
     def set_lookup_survival(self, survival: LookupSurvival) -> None:
         """The estimator this policy prices lookup drafts with (shared across calls, like the realized gate)."""
@@ -704,7 +735,7 @@ class HybridPolicy(PrefixSchedulerPolicy):
         return tokens / (seconds + draft_seconds) if length else 0.0
 
     def choose_source(self, offers: Sequence[Any], max_drafts: int, draft_seconds: float | None) -> tuple[str, int]:
-        """``(source, l)`` for the offer (a ``drafting.Draft`` of one row) that pays best, ``("block", 0)`` (draft,
+        """``(source, l)`` for the offer (a ``draft_sources.Draft`` of one row) that pays best, ``("block", 0)`` (draft,
         then schedule the block's length) or ``("none", 0)``. ``max_drafts`` bounds the block; an offer verifies
         at most its own drafts."""
         best, best_rate, best_length = None, self._plain_rate, 0
@@ -725,15 +756,35 @@ def _explore_budget(generation_config: Any) -> float:
     return EXPLORE_BUDGET if value is None else float(value)
 
 
+class _OverriddenSettings:
+    """``generation_config``'s attributes, with ``overrides`` in place of those of the same name (None: only the
+    overrides are set)."""
+
+    def __init__(self, generation_config: Any, overrides: dict[str, Any]):
+        self._generation_config, self._overrides = generation_config, overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._generation_config, name)
+
+
+def build_policy(name: str, generation_config: Any, block_size: int, **overrides: Any) -> VerificationPolicy:
+    """The registered verification policy ``name``, built the one way every entry point builds it: its class's
+    ``from_generation_config`` reading ``generation_config`` (None: every setting at its default), where each of
+    ``overrides`` (a generation-config setting's name, e.g. ``num_verify_tokens=2``, ``sps_profile=sps``) replaces the
+    value ``generation_config`` has. ``generate()``, the engine (``engine.config.engine_policy``) and the demo call
+    it."""
+    if name not in VERIFICATION_POLICIES:
+        raise ValueError(f"unknown verification_policy {name!r}; registered: {sorted(VERIFICATION_POLICIES)}")
+    settings = _OverriddenSettings(generation_config, overrides) if overrides else generation_config
+    return VERIFICATION_POLICIES[name].from_generation_config(settings, block_size)
+
+
 def policy_from_generation_config(generation_config: Any, block_size: int, has_confidence_head: bool) -> VerificationPolicy:
     """Build the policy named by ``generation_config.verification_policy`` (default ``"fixed"``)."""
     name = getattr(generation_config, "verification_policy", None) or "fixed"
-    if isinstance(name, VerificationPolicy):
-        policy = name
-    elif name in VERIFICATION_POLICIES:
-        policy = VERIFICATION_POLICIES[name].from_generation_config(generation_config, block_size)
-    else:
-        raise ValueError(f"unknown verification_policy {name!r}; registered: {sorted(VERIFICATION_POLICIES)}")
+    policy = name if isinstance(name, VerificationPolicy) else build_policy(name, generation_config, block_size)
     if policy.needs_confidences and not has_confidence_head:
         raise ValueError(
             f"verification_policy {policy.name!r} needs confidences but this drafter has no confidence head "
@@ -745,6 +796,11 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 __all__ = [
     "ConfidenceMemory",
     "ConfidenceThresholdPolicy",
+    "build_policy",
+    "check_explore_settings",
+    "check_lookup_settings",
+    "check_probe_settings",
+    "EMA_WEIGHT",
     "HybridPolicy",
     "LookupSurvival",
     "LOOKUP_MAX_TOKENS",
@@ -753,6 +809,7 @@ __all__ = [
     "RealizedGate",
     "StepsPerSecond",
     "drafting_pays",
+    "ema",
     "dynamic_topk_capacity",
     "expected_round",
     "prefix_schedule",

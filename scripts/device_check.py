@@ -610,7 +610,7 @@ def check_engine(args, device):
     (no step waits on a compile) and how many the compiled kernels served, and ``engine_sync_numbers``."""
     import tempfile
 
-    from hf_dspark.engine.bench import bench_serve
+    from hf_dspark.evaluation.engine_bench import bench_serve
     from hf_dspark.kernels.scheduler import WARMUP
     from hf_dspark.profiling import load_or_profile_batched, powers_of_two_with
 
@@ -622,7 +622,7 @@ def check_engine(args, device):
         concurrencies, new_tokens, counts = [1, 4], 12, {1: 4, 4: 8}
         profile = {"context_length": 16, "repeats": 1, "time_budget_s": 5.0}
     else:
-        from hf_dspark.engine.bench import encode_prompts
+        from hf_dspark.evaluation.engine_bench import encode_prompts
 
         target, tokenizer, drafter = smollm2_default(device)
         records = read_device_prompts()

@@ -104,7 +104,10 @@ def main(argv=None) -> int:
     hf_dspark = import_package(args.tree)
     import torch
 
-    from hf_dspark.engine.bench import encode_prompts
+    try:
+        from hf_dspark.evaluation.engine_bench import encode_prompts
+    except ImportError:  # a --tree from before the bench moved out of engine/
+        from hf_dspark.engine.bench import encode_prompts
     from hf_dspark.profiling import BatchedStepsPerSecond
     from hf_dspark.prompts import load_prompts
 

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main() -> None:
     from hf_dspark.engine import DSparkEngine
     from hf_dspark.engine import SamplingParams
-    from hf_dspark.engine.bench import add_measurement_arguments, load_measurement_setup
+    from hf_dspark.evaluation.engine_bench import add_measurement_arguments, load_measurement_setup
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--group-sizes", type=int, nargs="+", default=[16, 4, 1])

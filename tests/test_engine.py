@@ -741,7 +741,7 @@ def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trai
 def _fake_request(index: int, probe_wait: int = 4, confidence: float | None = None, block_size: int = 4):
     """An active request past its first step (the realized gate counts its steps), for the drafting decision alone;
     ``confidence``: what its earlier drafts predict at every position (None: nothing yet)."""
-    from hf_dspark.drafting import DSparkStats
+    from hf_dspark.stats import DSparkStats
     from hf_dspark.engine.requests import Request
 
     prior = None if confidence is None else torch.full((block_size,), confidence)
@@ -1063,7 +1063,7 @@ def test_every_registered_policy_runs_in_the_engine(tiny_targets):
     engine's drafting rows too (here at most two drafts per row), its output equals plain decoding, and bench-serve
     takes its name. Settings come as one ``EngineConfig`` (keywords override its fields)."""
     from hf_dspark.engine import EngineConfig
-    from hf_dspark.engine.bench import parse_policy
+    from hf_dspark.evaluation.engine_bench import parse_policy
     from hf_dspark.scheduling import VERIFICATION_POLICIES, VerificationPolicy, register_verification_policy
 
     @register_verification_policy("at-most-two")
@@ -1395,7 +1395,7 @@ def test_monotone_decreasing_fit():
 
 _ALLOCATION_PROBE = """
 import ctypes, sys
-from hf_dspark.engine.bench import fix_allocator
+from hf_dspark.evaluation.engine_bench import fix_allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -1414,7 +1414,7 @@ for size in (6 << 20, 3 << 20):  # bytes in mmapped blocks before and after each
 
 _PRETOUCH_PROBE = """
 import ctypes, resource, sys
-from hf_dspark.engine.bench import fix_allocator
+from hf_dspark.evaluation.engine_bench import fix_allocator
 
 print(fix_allocator(mmap_threshold=4 << 20, pretouch=int(sys.argv[1]) << 20))
 libc = ctypes.CDLL("libc.so.6")
@@ -1433,7 +1433,7 @@ def test_fix_allocator_pretouches_the_heap_so_fresh_blocks_do_not_fault():
     import subprocess
     import sys
 
-    from hf_dspark.engine import bench
+    from hf_dspark.evaluation import engine_bench as bench
 
     if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
         pytest.skip("needs glibc")
@@ -1461,7 +1461,7 @@ def test_fix_allocator_serves_blocks_below_its_mmap_threshold_from_the_heap(monk
     import subprocess
     import sys
 
-    from hf_dspark.engine import bench
+    from hf_dspark.evaluation import engine_bench as bench
 
     if not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
         pytest.skip("needs glibc >= 2.33")
@@ -1496,7 +1496,7 @@ def test_fix_allocator_serves_blocks_below_its_mmap_threshold_from_the_heap(monk
 
 
 def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
-    from hf_dspark.engine.bench import bench_serve, plot_bench
+    from hf_dspark.evaluation.engine_bench import bench_serve, plot_bench
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
@@ -1546,7 +1546,7 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
     # A later bench starts where this report's engines left off (a server that learned the machine already)
     import json
 
-    from hf_dspark.engine.bench import measurements_from_report
+    from hf_dspark.evaluation.engine_bench import measurements_from_report
 
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
@@ -1572,7 +1572,7 @@ def test_bench_serve_report_and_plot(tiny_targets, trained_drafters, tmp_path):
 
 
 def test_against_baseline():
-    from hf_dspark.engine.bench import against_baseline
+    from hf_dspark.evaluation.engine_bench import against_baseline
 
     ratios = against_baseline([10.0, 12.0, 9.0], [10.0, 8.0, 12.0])
     assert ratios["best"] == pytest.approx(1.0) and ratios["mean"] == pytest.approx(31 / 30)
@@ -1590,7 +1590,8 @@ def test_against_baseline():
 def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, trained_drafters, monkeypatch):
     import time
 
-    from hf_dspark.engine import batching, bench
+    from hf_dspark.engine import batching
+    from hf_dspark.evaluation import engine_bench as bench
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 5)
@@ -1655,7 +1656,7 @@ def test_bench_serve_lockstep_steps_the_engine_furthest_behind(tiny_targets, tra
 def test_engine_request_times_follow_its_clock(tiny_targets):
     import time
 
-    from hf_dspark.engine.bench import StepClock
+    from hf_dspark.evaluation.engine_bench import StepClock
 
     target = tiny_targets["llama"]
     clock = StepClock()
@@ -1677,7 +1678,7 @@ def test_engine_request_times_follow_its_clock(tiny_targets):
 
 
 def test_against_baseline_by_request():
-    from hf_dspark.engine.bench import against_baseline_by_request
+    from hf_dspark.evaluation.engine_bench import against_baseline_by_request
 
     # Every request twice as fast: 2x whichever way it is summarised, and no spread
     ratios = against_baseline_by_request([10, 20, 5], [1.0, 2.0, 0.5], [10, 20, 5], [2.0, 4.0, 1.0])
@@ -1713,7 +1714,7 @@ def test_against_baseline_by_request():
 
 
 def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_targets, trained_drafters, monkeypatch):
-    from hf_dspark.engine import bench
+    from hf_dspark.evaluation import engine_bench as bench
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
@@ -1761,7 +1762,7 @@ def test_bench_interleaved_serves_each_prompt_with_every_method_in_turn(tiny_tar
 
 def test_bench_serve_lockstep_pairs_runs_each_comparison_in_its_own_two_engine_lockstep(tiny_targets, trained_drafters,
                                                                                        monkeypatch):
-    from hf_dspark.engine import bench
+    from hf_dspark.evaluation import engine_bench as bench
 
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 4)
@@ -1834,7 +1835,7 @@ def test_nondecreasing_fit():
 
 
 def test_serve_runs_every_prompt(tiny_targets):
-    from hf_dspark.engine.bench import serve
+    from hf_dspark.evaluation.engine_bench import serve
 
     target = tiny_targets["llama"]
     prompts = in_distribution_prompts(target, 3)
@@ -1847,7 +1848,7 @@ def test_serve_runs_every_prompt(tiny_targets):
 def test_measurement_script_arguments():
     import argparse
 
-    from hf_dspark.engine.bench import add_measurement_arguments
+    from hf_dspark.evaluation.engine_bench import add_measurement_arguments
 
     parser = argparse.ArgumentParser()
     add_measurement_arguments(parser, num_prompts=4, dtype="float32")
@@ -2131,7 +2132,7 @@ def test_leaving_rows_are_filled_from_the_tail():
 
 
 def test_bench_method_specs():
-    from hf_dspark.engine.bench import parse_policy
+    from hf_dspark.evaluation.engine_bench import parse_policy
 
     assert parse_policy("plain") == {"policy": "plain"}
     assert parse_policy("fixed=2") == {"policy": "fixed", "num_verify_tokens": 2}
@@ -2212,7 +2213,7 @@ def test_bench_compiles_the_scheduler_kernels_before_anything_is_timed(monkeypat
     import types
 
     import hf_dspark.kernels.scheduler as scheduler
-    from hf_dspark.engine import bench
+    from hf_dspark.evaluation import engine_bench as bench
 
     calls = []
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_dspark.engine import DSparkEngine, SamplingParams, generate_batch
-from hf_dspark.engine.bench import parse_policy
+from hf_dspark.evaluation.engine_bench import parse_policy
 from tests.helpers import make_drafter
 from tests.test_engine import (
     DECREASING_SPS,

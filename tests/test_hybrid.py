@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from hf_dspark.drafting import Draft, prompt_lookup
+from hf_dspark.draft_sources import Draft, prompt_lookup
 from hf_dspark.scheduling import HybridPolicy, LookupSurvival, StepsPerSecond
 from tests.helpers import random_prompts
 from tests.test_greedy_equality import assert_same_greedy, set_policy
@@ -267,7 +267,7 @@ class _Event:
 def test_time_marks_are_host_seconds_on_cpu_and_event_milliseconds_on_cuda():
     """The generator's and the engine's clock: ``time_mark`` gives host seconds off CUDA; ``seconds_between`` reads
     either that or a pair of timing events (milliseconds, as CUDA reports them)."""
-    from hf_dspark.drafting import seconds_between, time_mark
+    from hf_dspark.clock import seconds_between, time_mark
 
     assert seconds_between(_Event(2.0), _Event(2.25)) == pytest.approx(0.25)
     assert seconds_between(10.0, 10.5) == pytest.approx(0.5)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hf_dspark import machine_load, profiling
-from hf_dspark.drafting import DSparkStats
+from hf_dspark.stats import DSparkStats
 from hf_dspark.scheduling import StepsPerSecond
 from tests.architectures import make_family_target
 

@@ -118,7 +118,7 @@ def _check_render(settings: ServeSettings) -> None:
 
 def _check_policies(settings: ServeSettings) -> None:
     """The policies in today's names; each one reads, and with --lockstep pairs each is compared with one."""
-    from ..engine.bench import lockstep_pairs, parse_policy
+    from ..evaluation.engine_bench import lockstep_pairs, parse_policy
 
     settings.policies = [current_spec(spec, "--policies") for spec in settings.policies]
     scheduled = [spec for spec in settings.policies if spec.split(",")[0].split("=")[0] in SCHEDULED_POLICIES]
@@ -161,7 +161,7 @@ def run(settings: ServeSettings) -> int:
     """Replays the prompts; writes the JSON report, the Markdown table and the plot where asked."""
     if settings.from_report:
         return _render_report(settings)
-    from ..engine.bench import bench_interleaved, bench_serve, measurements_from_report
+    from ..evaluation.engine_bench import bench_interleaved, bench_serve, measurements_from_report
     from ..evaluation.report import environment
 
     device = chosen_device(settings.device)
@@ -214,7 +214,7 @@ def _models(settings: ServeSettings, methods: list[str], device: torch.device):
 
 
 def _prompts(settings: ServeSettings, tokenizer) -> list:
-    from ..engine.bench import encode_prompts
+    from ..evaluation.engine_bench import encode_prompts
     from ..prompts import load_prompts
 
     return encode_prompts(tokenizer, load_prompts(settings.prompts), settings.num_prompts, settings.seed)
@@ -233,7 +233,7 @@ def _sps(path: str | None):
 
 
 def _write(settings: ServeSettings, payload: dict, report: dict) -> None:
-    from ..engine.bench import plot_bench
+    from ..evaluation.engine_bench import plot_bench
 
     if settings.output:
         Path(settings.output).parent.mkdir(parents=True, exist_ok=True)

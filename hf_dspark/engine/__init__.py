@@ -1,6 +1,6 @@
 """Batched DSpark serving: ``DSparkEngine`` (continuous batching, one target forward per step for all requests),
-configured by ``EngineConfig``; ``generate_batch`` / ``stream_batch``, and the ``bench-serve`` replay
-(``hf_dspark.engine.bench``)."""
+configured by ``EngineConfig``; ``generate_batch`` / ``stream_batch``. The ``bench-serve`` replay on top of it is
+``hf_dspark.evaluation.engine_bench``."""
 
 from .admission import PrefillCost
 from .batching import DSparkEngine, generate_batch, stream_batch

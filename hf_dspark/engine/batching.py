@@ -56,10 +56,13 @@ import torch
 from transformers import DynamicCache, StoppingCriteriaList, StopStringCriteria
 
 from ..attention import packed_attention
-from ..drafting import Draft, DSparkStats, rollback_refusal, seconds_between, time_mark
+from ..clock import seconds_between, time_mark
+from ..draft_sources import Draft
 from ..generation import is_dspark_drafter
 from ..policy_names import DEFAULT_POLICY
+from ..rollback import rollback_refusal
 from ..scheduling import ConfidenceMemory
+from ..stats import DSparkStats
 from .admission import PrefillCost, hold_budget, prefill_groups, tail_filled_order
 from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
 from .config import PLAIN, EngineConfig, engine_policy

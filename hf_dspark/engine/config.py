@@ -10,10 +10,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..drafting import LookupSurvival
+from ..draft_sources import LookupSurvival, check_lookup_ngram
 from ..gate import EXPLORE_BUDGET
 from ..policy_names import DEFAULT_POLICY, DEPRECATED_POLICIES, PLAIN, current_policy
-from ..scheduling import VERIFICATION_POLICIES, FixedLengthPolicy, VerificationPolicy
+from ..scheduling import (
+    VERIFICATION_POLICIES,
+    VerificationPolicy,
+    build_policy,
+    check_explore_settings,
+    check_probe_settings,
+)
 from .admission import ADMISSION_HOLD, PrefillCost
 from .measurements import EngineMeasurements
 from .verification import SCHEDULES
@@ -194,30 +200,17 @@ class EngineConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.num_verify_tokens is not None and self.num_verify_tokens < 0:
             raise ValueError(f"num_verify_tokens must be >= 0, got {self.num_verify_tokens}")
-        if self.probe_interval < 1:
-            raise ValueError(f"probe_interval must be >= 1, got {self.probe_interval}")
-        if self.max_probe_interval < self.probe_interval:
-            raise ValueError(f"max_probe_interval ({self.max_probe_interval}) must be >= probe_interval "
-                             f"({self.probe_interval})")
-        if self.explore_interval < 1:
-            raise ValueError(f"explore_interval must be >= 1, got {self.explore_interval}")
-        if self.max_explore_interval < self.explore_interval:
-            raise ValueError(f"max_explore_interval ({self.max_explore_interval}) must be >= explore_interval "
-                             f"({self.explore_interval})")
-        if not 0.0 <= self.explore_budget < 1.0:
-            raise ValueError(f"explore_budget must be in [0, 1), got {self.explore_budget}")
+        check_probe_settings(self.probe_interval, self.max_probe_interval, self.confidence_smoothing)
+        check_explore_settings(self.explore_interval, self.max_explore_interval, self.explore_budget)
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.prefill_cost is not None and not isinstance(self.prefill_cost, PrefillCost):
             raise ValueError(f"prefill_cost must be a PrefillCost, got {type(self.prefill_cost).__name__}")
         if not math.isfinite(self.admission_hold) or self.admission_hold < 0:
             raise ValueError(f"admission_hold must be a finite number >= 0, got {self.admission_hold}")
-        if not 0.0 < self.confidence_smoothing <= 1.0:
-            raise ValueError(f"confidence_smoothing must be in (0, 1], got {self.confidence_smoothing}")
         if self.gate_tokens not in GATE_TOKENS:
             raise ValueError(f"unknown gate_tokens {self.gate_tokens!r}; expected one of {GATE_TOKENS}")
-        if self.lookup_max_ngram < 1:
-            raise ValueError(f"lookup_max_ngram must be >= 1, got {self.lookup_max_ngram}")
+        check_lookup_ngram(self.lookup_max_ngram)
 
 
 def _accepting_method(init: Callable) -> Callable:
@@ -251,13 +244,13 @@ def engine_policy(config: EngineConfig, drafter) -> VerificationPolicy:
     as ``generate()`` builds it, with the engine's own settings where the engine has them (``num_verify_tokens``,
     ``lookup_max_ngram``: a warning where the generation config sets another value; a lookup survival estimate of
     its own)."""
+    generation_config, overrides = drafter.generation_config, {}
     if config.policy == "fixed":
-        _engine_setting(config, drafter.generation_config, "num_verify_tokens")
-        return FixedLengthPolicy(config.num_verify_tokens)
-    policy = VERIFICATION_POLICIES[config.policy].from_generation_config(drafter.generation_config,
-                                                                          drafter.config.block_size)
+        overrides["num_verify_tokens"] = _engine_setting(config, generation_config, "num_verify_tokens")
+    elif VERIFICATION_POLICIES[config.policy].draft_sources:
+        overrides["lookup_max_ngram"] = _engine_setting(config, generation_config, "lookup_max_ngram")
+    policy = build_policy(config.policy, generation_config, drafter.config.block_size, **overrides)
     if policy.draft_sources:
-        policy.max_ngram = _engine_setting(config, drafter.generation_config, "lookup_max_ngram")
         policy.set_lookup_survival(LookupSurvival(drafter.config.block_size))
     return policy
 

@@ -5,7 +5,7 @@ Every decision reads earlier steps only (confidences of previous drafts, timings
 tokens), never the target's verdict on the drafts being verified, so none can change the output. The rules shared
 with ``generate()`` live in ``hf_dspark.scheduling``: the verification policy (``verify_lengths``), a request's
 confidence memory and probe clock (``ConfidenceMemory``), and whether drafting pays (``expected_round``,
-``drafting_pays``); the free sources are ``hf_dspark.drafting``'s.
+``drafting_pays``); the free sources are in ``hf_dspark.draft_sources``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..drafting import DRAFT_SOURCES, Draft
+from ..draft_sources import DRAFT_SOURCES, Draft
 from ..scheduling import (
     OnlineSurvivalCorrection,
     VerificationPolicy,

@@ -19,8 +19,8 @@ from collections import deque
 from pathlib import Path
 
 from ..gate import RealizedGate, RoundWindow, realized_window
+from ..scheduling import EMA_WEIGHT, ema
 
-EMA_WEIGHT = 0.3  # weight of the newest timing in the drafter's moving average
 VERIFY_WINDOW = 16  # recent verify timings per (rows, width) whose median is its price
 CATCH_UP_WINDOW = 16  # recent context catch-ups behind the price of a catch-up per position
 MODEL_WINDOW = 32  # recent steps per (batch size bucket, drafted) behind the cost model's realized factor
@@ -30,11 +30,6 @@ MODEL_PRIOR_STEPS = 2.0  # a factor from n steps moves n / (n + this) of the way
 def rows_bucket(rows: int) -> int:
     """Power-of-two bucket of a number of rows (the drafter's cost and the cost model's checks are kept per bucket)."""
     return 1 << max(0, (rows - 1).bit_length())
-
-
-def ema(previous: float | None, value: float) -> float:
-    """Exponential moving average with ``EMA_WEIGHT`` on the newest value (the value itself when there is none)."""
-    return value if previous is None else (1.0 - EMA_WEIGHT) * previous + EMA_WEIGHT * value
 
 
 def measurement_key(target, drafter) -> dict:

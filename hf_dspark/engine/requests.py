@@ -16,8 +16,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from ..drafting import DSparkStats
 from ..scheduling import ConfidenceMemory
+from ..stats import DSparkStats
 from .cache import DeferredDrafterContext, RaggedBatchCache
 
 

@@ -1,4 +1,5 @@
-"""Evaluation: rollouts over prompt sets, the paper's metrics, the ``hf-dspark eval`` report, ``evaluate`` modules.
+"""Evaluation: rollouts over prompt sets, the paper's metrics, the ``hf-dspark eval`` report, ``evaluate`` modules,
+and the batched engine's bench (``engine_bench``, ``hf-dspark bench-serve``).
 
 ``metrics`` and the rollout functions load (with torch) on first use: the command line reads ``evaluation.settings``
 and ``evaluation.bench_report`` through this package without loading torch.

@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 from ..allocator import BENCH_PRETOUCH_MIB, fix_allocator, pretouch_setting  # noqa: F401  (re-exported)
+from ..engine.admission import PrefillCost
+from ..engine.batching import DSparkEngine
+from ..engine.config import PLAIN, scheduled_policy
+from ..engine.requests import SamplingParams
+from ..engine.verification import SCHEDULES
 from ..policy_names import current_policy
 from ..scheduling import VERIFICATION_POLICIES
-from .admission import PrefillCost
-from .batching import DSparkEngine
-from .config import PLAIN, scheduled_policy
-from .requests import SamplingParams
-from .verification import SCHEDULES
 
 
 def parse_policy(spec: str, default_schedule: str = "padded") -> dict:
@@ -92,7 +92,7 @@ def measurements_from_report(path, methods: list[str]) -> dict:
     (every scheduled method starts from a copy of it)."""
     import json
 
-    from .measurements import EngineMeasurements
+    from ..engine.measurements import EngineMeasurements
 
     data = json.loads(Path(path).read_text())
     scheduled = [m for m in methods if scheduled_policy(parse_policy(m)["policy"])]
@@ -369,7 +369,7 @@ def compile_scheduler_kernels(target, drafter, specs: dict[str, dict], concurren
     background thread during its first steps: a compile holds Python's GIL for seconds, so those steps (host-bound
     on a GPU), and the measurements shared with later runs, come out slower for the scheduled methods only. Returns
     whether every compile finished (None where nothing compiles: off CUDA, or no scheduled method)."""
-    from .verification import schedule_kernel_kinds
+    from ..engine.verification import schedule_kernel_kinds
 
     device = next(target.parameters()).device
     kinds = sorted({kind for spec in specs.values() if scheduled_policy(spec["policy"])
@@ -414,7 +414,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
                                       hidden_state_indices=drafter.target_hidden_states_indices())
         log(f"batched SPS(B) ready after {time.perf_counter() - started:.1f} s")
     compile_scheduler_kernels(target, drafter, specs, concurrencies, log)
-    from .measurements import EngineMeasurements
+    from ..engine.measurements import EngineMeasurements
 
     measurements = measurements or {}
     scheduled = [name for name, spec in specs.items() if scheduled_policy(spec["policy"])]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from ..drafting import DSparkStats, totals_by_source
 from ..prompts import load_prompts
+from ..stats import DSparkStats, totals_by_source
 from . import metrics
 
 
