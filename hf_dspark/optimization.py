@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import onednn
+from .cpu_features import cpu_flags
 from .target import cache_root, write_json_atomically
 
 logger = logging.getLogger(__name__)
@@ -354,19 +355,18 @@ def _optimize(model: nn.Module, mode: str, cache_folder) -> TargetOptimization:
 # ----------------------------------------------------------------------------------------------------------------
 def cpu_description() -> dict:
     """The CPU's model name and a digest of its feature flags (from /proc/cpuinfo where there is one)."""
-    name, flags = platform.processor() or platform.machine(), ""
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name" and name in ("", platform.machine(), platform.processor()):
                     name = value.strip()
-                elif key.strip() == "flags":
-                    flags = value.strip()
                     break
     except OSError:
         pass
-    return {"cpu": name, "cpu_flags": hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:12]}
+    flags = " ".join(sorted(cpu_flags()))
+    return {"cpu": name, "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12]}
 
 
 def verdict_key(model: nn.Module) -> dict:
