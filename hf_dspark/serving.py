@@ -90,9 +90,8 @@ class EngineWorker:
     ``TokenEvent`` lists ending with a ``Finished``; ``abort`` ends a request early and frees its slot.
 
     The thread first measures what the engine's first steps would otherwise stop for (``DSparkEngine.prepare``: the
-    batched SPS profile, cached per machine): meanwhile ``status`` is ``"profiling"`` and ``progress`` says how far it
-    is, requests queue, and ``announce`` (a callable taking one line) hears each stage; then ``status`` is ``"ok"``
-    and ``ready`` is set."""
+    batched SPS profile, cached per machine): meanwhile ``progress`` says how far it is, requests queue, and
+    ``announce`` (a callable taking one line) hears each stage; then ``ready`` is set."""
 
     def __init__(self, engine: DSparkEngine, announce: Callable[[str], None] | None = None):
         self.engine = engine
@@ -103,7 +102,6 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="hf-dspark-engine", daemon=True)
         self._announce = announce or (lambda line: None)
         self.fatal_error: str | None = None
-        self.status = "starting"
         self.progress: dict | None = None
         self.ready = threading.Event()
 
@@ -137,7 +135,6 @@ class EngineWorker:
     # -- the thread ------------------------------------------------------------------------------------------------
     def _prepare(self) -> None:
         started = time.perf_counter()
-        self.status = "profiling"
 
         def progress(done: list[int], sizes: list[int], seconds: float) -> None:
             self.progress = {"batch_sizes_measured": len(done), "batch_sizes": len(sizes), "seconds": round(seconds, 1)}
@@ -149,7 +146,7 @@ class EngineWorker:
                 self._announce(f"batch size {done[-1]} measured ({len(done)}/{len(sizes)}, {seconds:.0f} s)")
 
         self.engine.prepare(progress)
-        self.status, self.progress = "ok", None
+        self.progress = None
         self.ready.set()
         self._announce(f"ready after {time.perf_counter() - started:.1f} s of preparing")
 
@@ -450,7 +447,7 @@ def build_app(worker: EngineWorker, model: ModelInfo):
         if not worker.alive:
             return JSONResponse({"status": "unhealthy", "reason": worker.fatal_error}, status_code=503)
         if not worker.ready.is_set():  # requests are taken and queue until the profile is measured
-            return JSONResponse({"status": worker.status, "progress": worker.progress}, status_code=503)
+            return JSONResponse({"status": "profiling", "progress": worker.progress}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
