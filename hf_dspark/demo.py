@@ -170,21 +170,6 @@ def speed_markdown(name: str, tokens: int, seconds: float, done: bool) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 # Policies
 # ------------------------------------------------------------------------------------------------------------------
-class CappedPolicy(VerificationPolicy):
-    """Another policy, never verifying more than ``cap`` drafts (a fixed cap is non-anticipating: still lossless)."""
-
-    def __init__(self, inner: VerificationPolicy, cap: int):
-        self.inner, self.cap = inner, int(cap)
-        self.name = f"{inner.name}(max {self.cap})"
-        self.needs_confidences = inner.needs_confidences
-
-    def num_to_verify(self, confidences, max_drafts):
-        return self.inner.num_to_verify(confidences, min(max_drafts, self.cap))
-
-    def observe(self, verified, accepted):
-        self.inner.observe(verified, accepted)
-
-
 def make_policy(name: str, num_verify: int, threshold: float, block_size: int, sps=None) -> VerificationPolicy:
     """The demo's policy: ``fixed`` verifies ``num_verify`` drafts; ``threshold`` and ``scheduler`` verify at most
     ``num_verify``; ``hybrid`` chooses its source and length itself (``sps``: the target's StepsPerSecond profile,
@@ -199,8 +184,10 @@ def make_policy(name: str, num_verify: int, threshold: float, block_size: int, s
     settings = {"hybrid": dict(sps_profile=sps), "fixed": dict(num_verify_tokens=int(num_verify)),
                 "threshold": dict(confidence_threshold=float(threshold)), "scheduler": dict(sps_profile=sps)}[name]
     policy = build_policy(name, None, block_size, **settings)
-    capped = name in ("threshold", "scheduler") and int(num_verify) != block_size
-    return CappedPolicy(policy, int(num_verify)) if capped else policy
+    if name in ("threshold", "scheduler") and int(num_verify) != block_size:
+        policy.max_verify = int(num_verify)  # a fixed cap is non-anticipating: still lossless
+        policy.name = f"{name}(max {policy.max_verify})"
+    return policy
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -509,5 +496,5 @@ def drafter_label(origin: str) -> str:
     return name + (f", weights sha256 {digest.rstrip(')')}" if digest else "")
 
 
-__all__ = ["CappedPolicy", "DemoRunner", "build_demo", "launch_default", "make_policy", "round_html",
+__all__ = ["DemoRunner", "build_demo", "launch_default", "make_policy", "round_html",
            "stream_generate"]

@@ -16,7 +16,7 @@ committed round where any stopping criterion fires inside it (transformers check
 round, so a stop string completed by an accepted draft would otherwise run on past it).
 
 This file is self-contained (torch + transformers + its siblings ``attention``, ``clock``, ``draft_sources``, ``gate``,
-``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
+``planner``, ``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
 """
 
 from __future__ import annotations
@@ -40,16 +40,18 @@ from transformers.generation.utils import GenerationMixin
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .attention import packed_attention
     from .clock import seconds_between, time_mark
-    from .draft_sources import DRAFT_SOURCES, Draft, LookupSurvival
+    from .draft_sources import Draft, LookupSurvival
     from .gate import RealizedGate
+    from .planner import Planner, RowState
     from .rollback import rollback_refusal
     from .scheduling import VerificationPolicy, ema, lookup_max_tokens, policy_from_generation_config
     from .stats import DSparkStats
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from attention import packed_attention  # type: ignore[no-redef]
     from clock import seconds_between, time_mark  # type: ignore[no-redef]
-    from draft_sources import DRAFT_SOURCES, Draft, LookupSurvival  # type: ignore[no-redef]
+    from draft_sources import Draft, LookupSurvival  # type: ignore[no-redef]
     from gate import RealizedGate  # type: ignore[no-redef]
+    from planner import Planner, RowState  # type: ignore[no-redef]
     from rollback import rollback_refusal  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         VerificationPolicy,
@@ -141,13 +143,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         # The most drafts one round verifies: the block, or a longer prompt-lookup draft under the hybrid policy.
         self.max_round_drafts = max(self.block_size, getattr(self.policy, "max_lookup_tokens", 0))
-        if getattr(self.policy, "needs_sps", False) and getattr(self.policy, "sps", None) is None:
+        if self.policy.needs_sps and self.policy.sps is None:
             self.policy.set_sps(_profile_target(target, self.max_round_drafts + 1))
-        if self.policy.uses_realized_gate:
-            self.policy.set_realized_gate(realized_gate_for(drafter, target))
         if self.policy.draft_sources:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
-        self.sources = [DRAFT_SOURCES[name].from_policy(self.policy) for name in self.policy.draft_sources]
+        self.planner = _planner_for(self.policy, self.block_size,
+                                    realized_gate_for(drafter, target) if self.policy.uses_realized_gate else None,
+                                    lambda rows: self._draft_seconds)
+        self.memory = self.planner.new_memory()  # the sequence's confidence memory (policies priced by SPS)
+        self._plan = None  # this round's plan and its block's confidences, kept until the verdict
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
         self.static_round = _static_round_for(drafter, generation_config, logits_processor, self.do_sample)
         self.cache = self.static_round if self.static_round is not None else drafter.new_context_cache()
@@ -161,10 +165,10 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
         self._pending_round: _PendingRound | None = None
         self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
-        # Whole-round timing for the policy: a round runs from one get_candidates call to the next (drafter,
+        # Whole-round timing for the realized gate: a round runs from one get_candidates call to the next (drafter,
         # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
         self._round_started: float | None = None
-        self._finished_round: tuple[bool, int] | None = None  # (drafted, tokens emitted) of the round just verified
+        self._finished_round: tuple[bool, int] | None = None  # (speculated, tokens emitted) of the round just verified
         self._cuda = target.device.type == "cuda"
         self._target = target
         self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
@@ -251,51 +255,38 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._draft_seconds = ema(self._draft_seconds, seconds)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
-        """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup)."""
+        """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup).
+        The planner decides the source and the length from this one row's state."""
         self._collect_draft_time()
         now = time.perf_counter()
-        if self._round_started is not None and self._finished_round is not None:
-            self.policy.record_round(*self._finished_round, now - self._round_started)
+        if self._round_started is not None and self._finished_round is not None and self.planner.gate is not None:
+            self.planner.gate.record_step(1, *self._finished_round, now - self._round_started)
         self._round_started, self._finished_round = now, None
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
         self.policy.set_context(input_ids.shape[1])
         room = self.max_length - input_ids.shape[1] - 1
-        max_drafts = min(self.block_size, room)
-        source, length, offer = self._choose_source(input_ids, room, max_drafts)
-        if source == "none":
-            # Nothing fits, or the policy expects no draft worth its cost this round: the target decodes alone.
-            self._defer_context(target_hidden)
-            self._pending_round = _PendingRound()
-            return input_ids, None
-        if offer is not None:
+        offer_cap = min(self.policy.max_lookup_tokens, room) if self.planner.sources else 0
+        row = RowState(min(self.block_size, room), self.memory, lambda: input_ids[0], offer_cap)
+        table = self.policy.sps_table() if self.planner.scheduled else None
+        plan = self.planner.plan([row], table)
+        self._plan = (plan, None, 0)
+        if plan.offers:
             self._defer_context(target_hidden)  # no drafter forward: its features wait for the next block draft
-            return self._offer_candidates(input_ids, offer, length, room)
-        return self._block_candidates(input_ids, target_hidden, max_drafts)
+            return self._offer_candidates(input_ids, plan.offers[0], self.planner.lengths(plan, None, table)[0], room)
+        if plan.drafting:
+            return self._block_candidates(input_ids, target_hidden, plan, table)
+        # Nothing fits, or the planner expects no draft worth its cost this round: the target decodes alone.
+        self._defer_context(target_hidden)
+        self._pending_round = _PendingRound()
+        return input_ids, None
 
-    def _choose_source(self, input_ids: torch.LongTensor, room: int,
-                       max_drafts: int) -> tuple[str, int, Draft | None]:
-        """``(source, length, offer)``: which source drafts this round. Offers come from the policy's free sources
-        (``draft_sources``) and are priced against the block by the policy; ``length`` is an offer's verification
-        length."""
-        if max_drafts <= 0:
-            return "none", 0, None  # only the target's own next token fits
-        if not self.sources:
-            return ("block" if self.policy.should_draft(max_drafts, self._draft_seconds) else "none"), 0, None
-        cap = min(self.policy.max_lookup_tokens, room)
-        proposed = [source.propose(input_ids[0], cap) for source in self.sources]
-        offers = [offer for offer in proposed if offer is not None]
-        name, length = self.policy.choose_source(offers, max_drafts, self._draft_seconds)
-        return name, length, next((offer for offer in offers if offer.source == name), None)
-
-    def _block_candidates(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, max_drafts: int):
-        """A round drafted by the drafter's block: its forward, then the policy's verification length."""
+    def _block_candidates(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, plan, table):
+        """A round drafted by the drafter's block: its forward, then the planner's verification length."""
         draft = self._draft_block(input_ids, target_hidden)
-        verify = int(self.policy.num_to_verify(None if draft.confidences is None else draft.confidences[0],
-                                                max_drafts))
-        if not 0 <= verify <= max_drafts:
-            raise ValueError(f"verification policy returned {verify}, outside [0, {max_drafts}]")
+        verify = self.planner.lengths(plan, draft.confidences, table)[0]
+        self._plan = (plan, draft.confidences, verify)
         if self.fixed_width:
-            verify = max_drafts  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
+            verify = plan.caps[0]  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
         confidences = None if draft.confidences is None else draft.confidences[0]
         listed, raw = _stats_lists(confidences, draft.confidence_logits)
         self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.token_ids, source="block")
@@ -355,6 +346,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if stop is not None:
             self.generation_config.max_length = min(self.max_length, length + stop)
 
+    def _observe_plan(self, verified: int, accepted: int) -> None:
+        """The verdict, for the planner: the sequence's confidence memory and the survival correction learn from the
+        length the planner chose (a fixed width verifies more, and what it accepts past that length is not counted
+        against the confidences)."""
+        plan, confidences, planned = self._plan
+        self._plan = None
+        self.planner.observe(plan, confidences, [planned if plan.drafting else verified], [accepted])
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
         verdict = self._stamp() if self._stamps is not None else None
         self.generation_config.max_length = self.max_length
@@ -362,14 +361,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return  # the prefill round
         drafted, verified, confidences, confidence_logits, draft_ids, source, offer, offer_tokens = self._pending_round
         accepted = int(num_matches)
-        self._finished_round = (source == "block", accepted + 1)
+        self._finished_round = (source != "none", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if verdict is not None:
             self.stats.add_stamps(*self._stamps, verdict)
             self._stamps = None
         if offer is not None:  # the offer's own tokens only: a fixed width's pad says nothing about its source
-            next(s for s in self.sources if s.name == source).observe(offer, offer_tokens, min(accepted, offer_tokens))
-        self.policy.observe(verified, accepted)
+            self.planner.observe_offer(offer, offer_tokens, min(accepted, offer_tokens))
+        self._observe_plan(verified, accepted)
         self._pending_round = None
         if self.round_callback is not None:
             self.round_callback(DSparkRound(
@@ -532,6 +531,17 @@ def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | Non
     fired = torch.cat([criteria(candidates[:, : length + j], None).reshape(-1)[:1] for j in range(1, drafts + 1)])
     first = int(torch.where(fired.any(), fired.int().argmax() + 1, 0))  # one read: 0 where none fired
     return first or None
+
+
+def _planner_for(policy: VerificationPolicy, block_size: int, gate: RealizedGate | None,
+                 draft_seconds: Callable[[int], float | None]) -> Planner:
+    """The planner of one ``generate()`` call: ``policy``'s settings, its one sequence priced by Algorithm 1 at one
+    row, the drafter's time from ``draft_seconds``, and ``gate`` (the shared realized gate, when the policy uses one)."""
+    settings = dict(online_correction=getattr(policy, "online_correction", True), gate=gate,
+                    draft_cost=draft_seconds)
+    if policy.needs_sps:
+        settings.update(explore=policy.explore_settings, memory=policy.memory_settings)
+    return Planner(policy, block_size, "cpu", schedule="prefix", **settings)
 
 
 def _shared_per_target(drafter, target, attribute: str, factory):

@@ -42,7 +42,8 @@ class VerificationPolicy:
     name = "base"
     needs_confidences = False
     needs_sps = False  # prices verification by the SPS profile: the engine shares its verification budget by it
-    uses_realized_gate = False  # True: the candidate generator hands it a shared ``RealizedGate``
+    uses_realized_gate = False  # True: the planner asks a shared ``RealizedGate`` before drafting
+    max_verify: int | None = None  # the most drafts a round verifies, whatever the rule says (None: no cap)
     draft_sources: tuple[str, ...] = ()  # sources (``draft_sources.DRAFT_SOURCES``) it prices against the block
 
     @classmethod
@@ -66,21 +67,9 @@ class VerificationPolicy:
         rows = None if confidences is None else confidences.view(1, -1)
         return int(self.verify_lengths(rows, torch.tensor([max_drafts]))[0])
 
-    def observe(self, verified: int, accepted: int) -> None:
-        """Feedback after verification (for adaptive policies); the default ignores it."""
-
     def set_context(self, context_length: int) -> None:
         """The number of tokens the sequence holds before this round (called before every decision): policies that
         price rounds by the SPS profile read it at this context; the default ignores it."""
-
-    def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
-        """A whole round's timing: whether it drafted, tokens it emitted, seconds from its start to the next
-        round's (for policies that judge drafting by its realized speed); the default ignores it."""
-
-    def should_draft(self, max_drafts: int, draft_seconds: float | None = None) -> bool:
-        """Whether to draft this round at all (False: the target decodes one token alone). Called BEFORE drafting,
-        so it may use only earlier rounds (``draft_seconds``: the drafter's measured time per round, if known)."""
-        return True
 
 
 @register_verification_policy("fixed")
@@ -332,6 +321,44 @@ def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
     return lengths
 
 
+# The ways a round's verification budget is shared among its rows (``schedule_batch``).
+SCHEDULES = ("padded", "prefix", "topk")
+
+
+def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Zero the confidences of positions past each row's cap ([R, g], [R]): the schedulers never admit zero-survival
+    entries, so no row is given more drafts than it may verify."""
+    positions = torch.arange(confidences.shape[1], device=confidences.device)
+    return torch.where(positions < caps[:, None].to(confidences.device), confidences.float(), 0.0)
+
+
+def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: torch.Tensor, schedule: str = "prefix",
+                   capacity: int | None = None) -> torch.Tensor:
+    """Verification lengths [R] for one round from the shared budget.
+
+    ``padded``: Algorithm 1 by width layers (``width_schedule``), the cost of a padded batch B = R * (1 + max
+    length). ``prefix``: Algorithm 1 over all R rows at once (greedy admission by prefix survival with early stop,
+    SPS of the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity`` entries of highest survival
+    (the capacity must come from earlier rounds' confidences). Rows that did not draft carry zeros. On CUDA the
+    Triton kernels of ``hf_dspark.kernels`` run them; elsewhere, and in an exported folder, the torch twins here.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")
+    if schedule == "topk" and capacity is None:
+        raise ValueError("the top-K schedule needs a capacity")
+    capped = capped_confidences(confidences, caps)
+    table = None if sps_table is None else sps_table.to(capped.device)
+    try:
+        from .kernels import schedule_lengths
+    except ImportError:  # pragma: no cover - an exported folder: the torch twins
+        if schedule == "topk":
+            return topk_schedule(capped, int(capacity))
+        return (width_schedule if schedule == "padded" else prefix_schedule)(capped, table)
+    if schedule == "topk":
+        return schedule_lengths(capped, capacity=int(capacity))
+    return schedule_lengths(capped, table, padded=schedule == "padded")
+
+
 class OnlineSurvivalCorrection:
     """Keeps the scheduler's expected gains honest when the prompts drift from the calibration set.
 
@@ -489,9 +516,13 @@ CONTEXT_BUCKET = 128
 
 @register_verification_policy("scheduler")
 class PrefixSchedulerPolicy(VerificationPolicy):
-    """Algorithm 1 at R = 1: verify the prefix length l maximising ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` found by
-    greedy admission with early stop. Needs an SPS profile (``generation_config.sps_profile``, or profiled
-    automatically for the target when hf_dspark is installed)."""
+    """Algorithm 1: verify the prefix length l maximising ``(1 + sum_{j<=l} a_j) * SPS(1 + l)`` found by greedy
+    admission with early stop (R rows: the batched budget, ``schedule_batch``). Needs an SPS profile
+    (``generation_config.sps_profile``, or profiled automatically for the target when hf_dspark is installed).
+
+    The policy holds the rule's settings and the SPS curve at the sequence's context; ``hf_dspark.planner.Planner``
+    applies them round by round (the survival correction, the skip and pay-off rules, the realized gate), for
+    ``generate()``'s one row and the engine's R alike."""
 
     needs_confidences = True
     needs_sps = True
@@ -510,34 +541,31 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         as much where it does not (chat).
         ``realized_gate`` (opt-in, with ``skip_drafting``): a round the confidences would draft still decodes plain
         while the drafting rounds have not delivered ``DRAFTING_MARGIN`` (3%) more tokens per second than the plain
-        rounds (``RealizedGate`` at one request, fed by the candidate generator through ``record_round``); drafting is re-measured after
+        rounds (``RealizedGate`` at one request, fed by the candidate generator); drafting is re-measured after
         ``explore_interval`` rounds, the wait doubling up to ``max_explore_interval`` while it keeps losing, and
         lasting until the re-measurement's expected loss is at most ``explore_budget`` of the plain rounds' time
-        since (``RealizedGate.drafting_allowed``). The
-        cost model above prices the drafter and the verify forward; the gate also catches what it misprices (the
-        context catch-up, the assisted loop's bookkeeping, confidences that promise more than the drafts deliver on
-        this kind of text). The gate is shared by every ``generate()`` call with the same drafter and target
-        (``set_realized_gate``), so short answers do not each pay to learn it again. It is off by default: on
-        SmolLM2-135M (float32, 1 thread, 3 prompts x 256 tokens per eval set) it delivered 0.96x plain against the
-        ungated scheduler's 1.00x in the same run (``hf-dspark bench --policies scheduler scheduler=gated``): one
-        sequence gives it too few drafting rounds per verdict, and what it blocks includes the rounds that would have
-        won."""
+        since (``RealizedGate.drafting_allowed``). The cost model prices the drafter and the verify forward; the gate
+        also catches what it misprices (the context catch-up, the assisted loop's bookkeeping, confidences that
+        promise more than the drafts deliver on this kind of text). The gate is shared by every ``generate()`` call
+        with the same drafter and target, so short answers do not each pay to learn it again. It is off by default:
+        on SmolLM2-135M (float32, 1 thread, 3 prompts x 256 tokens per eval set) it delivered 0.96x plain against
+        the ungated scheduler's 1.00x in the same run (``hf-dspark bench --policies scheduler scheduler=gated``):
+        one sequence gives it too few drafting rounds per verdict, and what it blocks includes the rounds that would
+        have won."""
+        check_probe_settings(probe_interval, max_probe_interval, confidence_smoothing)
         check_explore_settings(explore_interval, max_explore_interval, explore_budget)
-        self.sps = sps
-        self._table = None if sps is None else sps.table()
-        self._plain_rate = None if sps is None else float(self._table[1])  # SPS(1): plain decoding's tokens/s
-        self._context_bucket: int | None = None  # the context bucket _table was read at (set_context)
         self.online_correction = online_correction
         self.skip_drafting = skip_drafting
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self.confidence_smoothing = confidence_smoothing
         self.realized_gate = realized_gate
         self.explore_interval, self.max_explore_interval = explore_interval, max_explore_interval
         self.explore_budget = explore_budget
-        self.gate: RealizedGate | None = None
-        self.correction: OnlineSurvivalCorrection | None = None
-        self.memory = ConfidenceMemory(probe_interval, max_probe_interval, confidence_smoothing)
-        self._round: tuple[torch.Tensor, torch.Tensor, int] | None = None  # this round's (raw, uncapped, length)
-        self._stale_version = 0  # bumped whenever the memory, the correction or the profile changes
-        self._stale_plans: dict[tuple[int, int], tuple[int, float, float]] = {}  # see _stale_plan
+        self.sps: StepsPerSecond | None = None
+        self.table: torch.Tensor | None = None  # SPS(B) at the sequence's context (``set_context``)
+        self._context_bucket: int | None = None  # the context bucket ``table`` was read at
+        if sps is not None:
+            self.set_sps(sps)
 
     @classmethod
     def from_generation_config(cls, generation_config, block_size):
@@ -558,11 +586,19 @@ class PrefixSchedulerPolicy(VerificationPolicy):
                     max_explore_interval=int(getattr(generation_config, "max_explore_interval", None) or 256),
                     explore_budget=_explore_budget(generation_config))
 
+    @property
+    def memory_settings(self) -> tuple[int, int, float]:
+        """The (probe_interval, max_probe_interval, smoothing) of a sequence's ``ConfidenceMemory``."""
+        return self.probe_interval, self.max_probe_interval, self.confidence_smoothing
+
+    @property
+    def explore_settings(self) -> tuple[int, int, float]:
+        """The realized gate's (explore_interval, max_explore_interval, explore_budget)."""
+        return self.explore_interval, self.max_explore_interval, self.explore_budget
+
     def set_sps(self, sps: StepsPerSecond) -> None:
-        self.sps, self._table = sps, sps.table()
-        self._plain_rate = float(self._table[1])
+        self.sps, self.table = sps, sps.table()
         self._context_bucket = None
-        self._stale_version += 1
 
     def set_context(self, context_length: int) -> None:
         """Price rounds at this context: the SPS table is re-read from the profile's context model whenever the
@@ -573,90 +609,24 @@ class PrefixSchedulerPolicy(VerificationPolicy):
         if bucket == self._context_bucket:
             return
         self._context_bucket = bucket
-        self._table = self.sps.at_context(bucket * CONTEXT_BUCKET + CONTEXT_BUCKET // 2).table()
-        self._plain_rate = float(self._table[1])
-        self._stale_version += 1  # the stale plan priced the block at the old context
+        self.table = self.sps.at_context(bucket * CONTEXT_BUCKET + CONTEXT_BUCKET // 2).table()
+
+    def sps_table(self) -> torch.Tensor:
+        """SPS(B) at the sequence's context; an error naming the missing profile where there is none."""
+        if self.table is None:
+            raise ValueError(f"the {self.name} policy needs an SPS profile (generation_config.sps_profile)")
+        return self.table
 
     @property
     def uses_realized_gate(self) -> bool:
         return self.skip_drafting and self.realized_gate
 
-    def set_realized_gate(self, gate: RealizedGate) -> None:
-        """The gate this policy records its rounds in and asks before drafting (shared across calls)."""
-        self.gate = gate
-
-    def record_round(self, drafted: bool, emitted: int, seconds: float) -> None:
-        if self.uses_realized_gate and self.gate is not None:
-            self.gate.record_step(1, drafted, emitted, seconds)
-
-    def _corrected(self, confidences: torch.Tensor) -> torch.Tensor:
-        if not self.online_correction:
-            return confidences.float()
-        if self.correction is None or self.correction.predicted.shape[0] < confidences.shape[-1]:
-            self.correction = OnlineSurvivalCorrection(confidences.shape[-1])
-            self._stale_version += 1
-        return self.correction.correct(confidences.view(1, -1))[0]
-
-    def _schedule(self, confidences: torch.Tensor, max_drafts: int) -> int:
-        if self._table is None:
-            raise ValueError("the scheduler policy needs an SPS profile (generation_config.sps_profile)")
-        table = self._table[: min(self._table.shape[0], 1 + max_drafts + 1)]
-        return int(prefix_schedule(confidences[:max_drafts].view(1, -1), table)[0])
-
-    def num_to_verify(self, confidences, max_drafts):
-        """Algorithm 1 for the policy's one sequence (``generate()``). The engine, whose rows are many sequences,
-        shares a batch's budget with the same Algorithm over its own repriced SPS tables (``engine.decisions``)."""
-        current = confidences.float().detach()
-        length = self._schedule(self._corrected(current), max_drafts)
-        raw = current.clone()
-        raw[max_drafts:] = 0.0
-        self._round = (raw, current.clone(), length)  # uncapped: caps apply when the memory is used
-        return length
-
-    def observe(self, verified, accepted):
-        if self._round is None:  # a round without drafting
-            self.memory.skipped()
-            return
-        raw, current, length = self._round
-        self._round = None
-        self.memory.drafted(current, length)
-        self._stale_version += 1
-        if self.correction is not None and length > 0:
-            self.correction.observe(raw.view(1, -1), torch.tensor([length]), torch.tensor([accepted]))
-
-    def should_draft(self, max_drafts, draft_seconds=None):
-        if not self._confidences_would_draft(max_drafts, draft_seconds):
-            return False
-        if self.uses_realized_gate and self.gate is not None:
-            return self.gate.drafting_allowed(1, self.explore_interval, self.max_explore_interval,
-                                              self.explore_budget)
-        return True
-
-    def _confidences_would_draft(self, max_drafts, draft_seconds):
-        if not self.skip_drafting or self.memory.smoothed is None or self.memory.probe_due:
-            return True  # nothing to predict from yet, or a probe is due
-        length, tokens, seconds = self._stale_plan(max_drafts)
-        if length == 0:
-            return False
-        return draft_seconds is None or drafting_pays(tokens, seconds, draft_seconds, self._plain_rate)
-
-    def _stale_plan(self, max_drafts: int) -> tuple[int, float, float]:
-        """What the smoothed past confidences (with the correction learnt up to now) predict for a block drafted this
-        round: ``(length, 1 + sum of its prefix survivals, seconds of its verify forward)``. It changes only when a
-        block round updates them, so the rounds in between reuse it without reading the device again."""
-        plan = self._stale_plans.get((self._stale_version, max_drafts))
-        if plan is None:
-            stale = self._corrected(self.memory.smoothed)
-            length = self._schedule(stale, max_drafts)
-            plan = (length, *expected_round(stale.view(1, -1), [length], self._table))
-            self._stale_plans = {(self._stale_version, max_drafts): plan}
-        return plan
-
-    def _expected_rate(self, conditionals: torch.Tensor, length: int) -> float:
-        """Expected tokens per second of a round verifying ``length`` drafts with these conditional acceptances
-        (``expected_round`` at one row, no drafter time: a draft source that costs nothing to propose)."""
-        tokens, seconds = expected_round(conditionals.view(1, -1), [length], self._table)
-        return tokens / seconds
+    def verify_lengths(self, confidences, caps):
+        """Algorithm 1 over ``confidences`` [R, g] as they are (no correction, no skip rule: the planner adds
+        those), the rows sharing one budget."""
+        if confidences is None:
+            raise ValueError(f"the {self.name} policy needs the drafts' confidences")
+        return schedule_batch(confidences.float(), caps, self.sps_table(), "prefix").to(caps.device)
 
 
 # The longest prompt-lookup draft the hybrid policy considers (``generation_config.lookup_max_tokens``): a lookup
@@ -718,36 +688,6 @@ class HybridPolicy(PrefixSchedulerPolicy):
     def set_lookup_survival(self, survival: LookupSurvival) -> None:
         """The estimator this policy prices lookup drafts with (shared across calls, like the realized gate)."""
         self.lookup = survival
-
-    def offer_length(self, confidences: torch.Tensor) -> tuple[int, float]:
-        """Algorithm 1 over an offer's conditionals [n]: (drafts to verify, expected tokens per second)."""
-        if self._table is None:
-            raise ValueError("the hybrid policy needs an SPS profile (generation_config.sps_profile)")
-        length = self._schedule(confidences, confidences.shape[0])
-        return (length, self._expected_rate(confidences, length)) if length else (0, 0.0)
-
-    def block_rate(self, max_drafts: int, draft_seconds: float | None) -> float | None:
-        """Predicted tokens per second of drafting a block this round, or None when nothing predicts it yet or a
-        probe of the block is due (the block's own rounds are what teach the prediction)."""
-        if self.memory.smoothed is None or self.memory.probe_due or draft_seconds is None:
-            return None
-        length, tokens, seconds = self._stale_plan(max_drafts)
-        return tokens / (seconds + draft_seconds) if length else 0.0
-
-    def choose_source(self, offers: Sequence[Any], max_drafts: int, draft_seconds: float | None) -> tuple[str, int]:
-        """``(source, l)`` for the offer (a ``draft_sources.Draft`` of one row) that pays best, ``("block", 0)`` (draft,
-        then schedule the block's length) or ``("none", 0)``. ``max_drafts`` bounds the block; an offer verifies
-        at most its own drafts."""
-        best, best_rate, best_length = None, self._plain_rate, 0
-        for offer in offers:
-            length, rate = self.offer_length(offer.confidences[0]) if offer.num_tokens else (0, 0.0)
-            if length > 0 and rate > best_rate:
-                best, best_rate, best_length = offer.source, rate, length
-        if best is not None:
-            block = self.block_rate(max_drafts, draft_seconds)
-            if block is None or best_rate >= block:
-                return best, best_length
-        return ("block", 0) if self.should_draft(max_drafts, draft_seconds) else ("none", 0)
 
 
 def _explore_budget(generation_config: Any) -> float:

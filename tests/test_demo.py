@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_dspark.demo import CappedPolicy, DemoRunner, make_policy, round_html
+from hf_dspark.demo import DemoRunner, make_policy, round_html
+from hf_dspark.planner import Planner, RowState
 from hf_dspark.generation import DSparkRound
 from hf_dspark.scheduling import ConfidenceThresholdPolicy, FixedLengthPolicy
 from tests.helpers import char_tokenizer, make_drafter, make_target, require_smollm2
@@ -79,9 +80,12 @@ def test_make_policy():
     assert make_policy("fixed", 3, 0.5, 7).num_to_verify(None, 7) == 3
     assert isinstance(make_policy("threshold", 7, 0.5, 7), ConfidenceThresholdPolicy)
     capped = make_policy("threshold", 2, 0.5, 7)
-    assert isinstance(capped, CappedPolicy)
-    assert capped.num_to_verify(torch.tensor([0.9, 0.9, 0.9, 0.1]), 4) == 2
-    assert capped.num_to_verify(torch.tensor([0.9, 0.2, 0.9, 0.1]), 4) == 1
+    assert isinstance(capped, ConfidenceThresholdPolicy) and capped.max_verify == 2
+    planner = Planner(capped, 7)
+    plan = planner.plan([RowState(4)], None)  # the cap applies wherever the planner runs the policy
+    assert plan.caps == [2] and plan.drafting == [0]
+    assert planner.lengths(plan, torch.tensor([[0.9, 0.9, 0.9, 0.1, 0, 0, 0]]), None) == [2]
+    assert planner.lengths(plan, torch.tensor([[0.9, 0.2, 0.9, 0.1, 0, 0, 0]]), None) == [1]
     with pytest.raises(ValueError, match="1..7"):
         make_policy("fixed", 0, 0.5, 7)
     with pytest.raises(ValueError, match="SPS profile"):

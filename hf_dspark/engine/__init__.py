@@ -8,7 +8,8 @@ from .cache import DeferredDrafterContext, RaggedBatchCache
 from .config import ENGINE_EXPLORE_BUDGET, ENGINE_MAX_EXPLORE_INTERVAL, GATE_TOKENS, EngineConfig
 from .measurements import EngineMeasurements, measurement_key
 from .requests import BatchOutput, EngineStats, RequestOutput, SamplingParams, TokenEvent, batch_progress
-from .verification import capped_confidences, greedy_verify, schedule_batch, speculative_verify
+from ..scheduling import capped_confidences, schedule_batch
+from .verification import greedy_verify, speculative_verify
 
 __all__ = [
     "BatchOutput",

@@ -61,13 +61,13 @@ from ..draft_sources import Draft
 from ..generation import is_dspark_drafter
 from ..policy_names import DEFAULT_POLICY
 from ..rollback import rollback_refusal
-from ..scheduling import ConfidenceMemory
+from ..planner import Plan
 from ..stats import DSparkStats
 from .admission import PrefillCost, hold_budget, prefill_groups, tail_filled_order
 from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
 from .config import PLAIN, EngineConfig, engine_policy
-from .decisions import Choice, DraftingDecisions, StepPlan
 from .measurements import EngineMeasurements, measurement_key, rows_bucket
+from .planning import catch_up_seconds, engine_planner, representative, row_states
 from .pricing import VerifyPricing
 from .requests import (
     Batch,
@@ -136,9 +136,8 @@ class DSparkEngine:
         self.pricing = VerifyPricing(target, self.block_size, self._taps, self.measurements, config.sps,
                                      (config.sps is None) if config.adapt_sps is None else config.adapt_sps,
                                      config.max_concurrency) if scheduled else None
-        self.decisions = DraftingDecisions(config, policy, self.batch, self.pricing, self.measurements, self.stats,
-                                           self.block_size, self.device)
-        if self.decisions.realized_gate:
+        self.planner = engine_planner(config, policy, self.measurements, self.stats, self.block_size, self.device)
+        if self.planner.realized_gate:
             self.measurements.bind_gate_tokens(config.gate_tokens)
         if scheduled and self.device.type == "cuda":
             # Compile the scheduler kernel variants this engine can launch in the background from now on: a step
@@ -306,22 +305,41 @@ class DSparkEngine:
         if not self.batch.rows:
             return events
         remaining = [request.remaining for request in self.batch.rows]
-        plan = self.decisions.plan()
+        rows = len(self.batch.rows)
+        if self.pricing is not None:
+            self.pricing.profiled_table(rows)  # a first profile (cached afterwards) is not part of a step's time
+        states = row_states(self.batch, self.block_size, bool(self.planner.sources))
         started = time.perf_counter()
-        choice = self.decisions.choose(plan)
-        block, draft_marks = self._propose(choice.drafting)
-        lengths = self.decisions.verification_lengths(plan, choice, block)
-        plain_seconds = self._plain_price(choice)
+        table = None if self.pricing is None else self.pricing.sps_table(rows)
+        plan = self.planner.plan(states, table, representative(self.batch), self._catch_up)
+        block, draft_marks = self._propose(plan.drafting)
+        confidences = None if block is None else block.confidences
+        lengths = self.planner.lengths(plan, confidences, table)
+        plain_seconds = self._plain_price(plan)
         self._record_cache_shape()
         verifying = time.perf_counter()
-        accepted, next_tokens = self._verify(lengths, choice, block)
+        accepted, next_tokens = self._verify(lengths, plan, block)
         verified = time.perf_counter()
-        self._record_timings(choice.drafting, draft_marks, lengths, verified - verifying)
-        emitted = self._commit(events, choice, block, lengths, accepted, next_tokens)
+        self._record_timings(plan.drafting, draft_marks, lengths, verified - verifying)
+        emitted = self._commit(events, plan, block, lengths, accepted, next_tokens)
         self._retire()
-        self.decisions.observe(plan.caps, choice.drafting, block, lengths, accepted)
-        self._record_step(plan, choice, lengths, remaining, emitted, (started, verifying, verified), plain_seconds)
+        self.planner.observe(plan, confidences, lengths, accepted)
+        self._record_confidences(plan, confidences)
+        self._record_step(plan, lengths, remaining, emitted, (started, verifying, verified), plain_seconds)
         return events
+
+    def _catch_up(self, rows) -> float:
+        return catch_up_seconds(self.batch, self.measurements, rows)
+
+    def _record_confidences(self, plan: Plan, confidences: torch.Tensor | None) -> None:
+        """The drafts' confidences, for the prior of joining requests (the mean of every draft's confidences so far,
+        ``confidence_prior``), and the survival correction's factors in the stats."""
+        if confidences is None:
+            return
+        self.measurements.record_confidences(confidences.detach().float().sum(dim=0).cpu().tolist(),
+                                             len(plan.drafting))
+        if self.planner.correction is not None:
+            self.stats.survival_correction = self.planner.correction.factors().tolist()
 
     def _propose(self, drafting: list[int]) -> tuple[Draft | None, tuple | None]:
         """The drafting rows' block, and the clock marks of its context catch-up and drafter forward. The rows'
@@ -336,20 +354,20 @@ class DSparkEngine:
         block = self._draft(drafting)
         return block, (pending, started, flushed, time_mark(self.device))
 
-    def _plain_price(self, choice: Choice) -> float | None:
+    def _plain_price(self, plan: Plan) -> float | None:
         """A plain step's model price (seconds), from the table the decision used (the verify reprices it), when the
         step checks the cost model: not those the realized gate ruled out before asking it (pricing a plain step
         re-prices the SPS table, 0.17 ms of a 45 ms step at 16 requests), nor those whose output includes offers,
         which the model does not price."""
-        if choice.drafting or not self._checks_model(choice):
+        if plan.drafting or not self._checks_model(plan):
             return None
         rows = len(self.batch.rows)
         return 1.0 / float(self.pricing.sps_table(rows)[rows])
 
-    def _checks_model(self, choice: Choice) -> bool:
+    def _checks_model(self, plan: Plan) -> bool:
         """Whether what this step delivers checks the cost model's prediction (see ``_plain_price``)."""
-        decisions = self.decisions
-        return decisions.scheduled and self.config.cost_aware and not decisions.gate_ruled_out and not choice.offers
+        planner = self.planner
+        return planner.scheduled and self.config.cost_aware and not planner.gate_ruled_out and not plan.offers
 
     def _record_cache_shape(self) -> None:
         rows, cache = self.batch.rows, self.batch.cache
@@ -369,29 +387,26 @@ class DSparkEngine:
         if self.pricing is not None and self.pricing.adapt_sps:  # the real price of this (rows, width)
             self.measurements.record_verify(len(lengths), 1 + max(lengths), verify_seconds)
 
-    def _commit(self, events: list[TokenEvent], choice: Choice, block: Draft | None, lengths: list[int],
+    def _commit(self, events: list[TokenEvent], plan: Plan, block: Draft | None, lengths: list[int],
                 accepted: list[int], next_tokens: list[int]) -> list[int]:
-        """Each row's round: its statistics, its confidence memory, its new tokens (emitted and streamed), and the
-        outputs of requests that finish. Returns the tokens each row emitted."""
-        block_row = {i: k for k, i in enumerate(choice.drafting)}
+        """Each row's round: its statistics, what its offer delivered (for the source), its new tokens (emitted and
+        streamed), and the outputs of requests that finish. Returns the tokens each row emitted."""
+        block_row = {i: k for k, i in enumerate(plan.drafting)}
         ids = [] if block is None else block.token_ids.tolist()
         confidences = None if block is None or block.confidences is None else block.confidences.detach().float()
         listed = [] if confidences is None else confidences.tolist()
         raw = [] if block is None or block.confidence_logits is None else block.confidence_logits.float().tolist()
-        confidences = None if confidences is None else confidences.cpu()
         counts = []
         for i, request in enumerate(self.batch.rows):
-            k, offer = block_row.get(i), choice.offers.get(i)
+            k, offer = block_row.get(i), plan.offers.get(i)
             if offer is not None and lengths[i] > 0:
                 request.stats.add_round(offer.num_tokens, lengths[i], accepted[i], source=offer.source)
-                self.decisions.observe_offer(offer, lengths[i], accepted[i])
+                self.planner.observe_offer(offer, lengths[i], accepted[i])
             else:
                 request.stats.add_round(self.block_size if k is not None else 0, lengths[i], accepted[i],
                                         listed[k] if listed and k is not None else None,
                                         raw[k] if raw and k is not None else None,
                                         "block" if k is not None else "none")
-            if request.memory is not None:
-                request.memory.drafted(confidences[k], lengths[i]) if k is not None else request.memory.skipped()
             proposed = ids[k] if k is not None else offer.token_ids[0].tolist() if offer is not None else []
             request.length += accepted[i] + 1
             new = request.emit(proposed[: accepted[i]] + [next_tokens[i]])
@@ -423,14 +438,14 @@ class DSparkEngine:
                 part.compact()
                 self.stats.compactions += 1
 
-    def _record_step(self, plan: StepPlan, choice: Choice, lengths: list[int], remaining: list[int],
+    def _record_step(self, plan: Plan, lengths: list[int], remaining: list[int],
                      counts: list[int], marks: tuple[float, float, float], plain_seconds: float | None) -> None:
         """The step's statistics, and what it delivered for the realized gate and the cost model's check."""
         stats, rows = self.stats, len(plan.caps)
         started, verifying, verified = marks
-        offered = sum(1 for i in choice.offers if lengths[i] > 0)
+        offered = sum(1 for i in plan.offers if lengths[i] > 0)
         stats.active.append(rows)
-        stats.drafting.append(len(choice.drafting))
+        stats.drafting.append(len(plan.drafting))
         stats.lookups.append(offered)
         stats.verify_tokens.append(sum(lengths))
         stats.widths.append(1 + max(lengths))
@@ -441,11 +456,11 @@ class DSparkEngine:
         stats.seconds.append(seconds)
         # What the whole step delivered (a first step is not typical). The gate weighs the steps that verify
         # speculative tokens (a block or an offer) against the steps without.
-        if self.decisions.realized_gate and plan.representative:
+        if self.planner.realized_gate and plan.representative:
             output = sum(counts) if self.config.gate_tokens == "emitted" else batch_progress(remaining, counts)
-            self.measurements.record_step(rows, bool(choice.drafting) or offered > 0, output, seconds)
-        prediction = self.decisions.prediction
-        if choice.drafting and prediction is not None and self._checks_model(choice):
+            self.measurements.record_step(rows, bool(plan.drafting) or offered > 0, output, seconds)
+        prediction = self.planner.prediction
+        if plan.drafting and prediction is not None and self._checks_model(plan):
             self.measurements.record_model_check(rows_bucket(rows), True, *prediction, sum(counts), seconds)
         elif plain_seconds is not None:
             self.measurements.record_model_check(rows_bucket(rows), False, rows, plain_seconds, sum(counts), seconds)
@@ -456,14 +471,12 @@ class DSparkEngine:
     def _remember(self, joining: list[Request]) -> None:
         """Policies priced by SPS: each joining request's confidence memory, starting from the mean confidences of
         every draft so far (``confidence_prior``), by which it is judged until its own first draft."""
-        if not self.decisions.scheduled:
+        if not self.planner.scheduled:
             return
-        config = self.config
-        prior = self.measurements.confidence_prior() if config.confidence_prior else None
+        prior = self.measurements.confidence_prior() if self.config.confidence_prior else None
         prior = None if prior is None else torch.tensor(prior)
         for request in joining:
-            request.memory = ConfidenceMemory(config.probe_interval, config.max_probe_interval,
-                                              config.confidence_smoothing, prior)
+            request.memory = self.planner.new_memory(prior)
 
     def _hold_admission(self) -> bool:
         """Whether this step's free slots wait (``admission_hold``): only when more requests wait than fit now, an
@@ -617,14 +630,14 @@ class DSparkEngine:
     # --------------------------------------------------------------------------------------------------------------
     # Verification: one padded target forward over every request's block
     # --------------------------------------------------------------------------------------------------------------
-    def _verify(self, lengths: list[int], choice: Choice, block: Draft | None) -> tuple[list[int], list[int]]:
+    def _verify(self, lengths: list[int], plan: Plan, block: Draft | None) -> tuple[list[int], list[int]]:
         """Every row's ``[anchor, drafts...]`` in one padded target forward, then each group of equal sampling
         parameters accepted together. Keeps the anchor and the accepted drafts in the cache; rejected drafts and
         padding become holes."""
         rows, cache, device = self.batch.rows, self.batch.cache, self.device
         width = max(lengths) + 1
         num_drafts = torch.tensor(lengths, device=device)
-        draft_ids = self._draft_matrix(width, choice, block)
+        draft_ids = self._draft_matrix(width, plan, block)
         anchors = torch.tensor([r.anchor for r in rows], device=device)
         block_valid = torch.arange(width, device=device) < (num_drafts + 1)[:, None]  # [R, Q]
         tokens = torch.cat([anchors[:, None], draft_ids], dim=1)
@@ -639,30 +652,30 @@ class DSparkEngine:
         with packed_attention(self.target):  # no per-head copy of the cache for a wide block
             out = self.target(input_ids=tokens, attention_mask=mask,
                               position_ids=positions, cache=cache.target_cache, use_cache=True, **extra)
-        accepted, next_tokens = self._accept(out.logits.float(), draft_ids, num_drafts, lengths, choice, block)
+        accepted, next_tokens = self._accept(out.logits.float(), draft_ids, num_drafts, lengths, plan, block)
         if self.drafter is not None:  # the verified positions' features wait until the request drafts again
             self.batch.context.defer([out.hidden_states[i] for i in self._taps], positions, (accepted + 1).tolist())
         cache.commit(torch.arange(width, device=device) <= accepted[:, None])
         return accepted.tolist(), next_tokens.tolist()
 
-    def _draft_matrix(self, width: int, choice: Choice, block: Draft | None) -> torch.Tensor:
+    def _draft_matrix(self, width: int, plan: Plan, block: Draft | None) -> torch.Tensor:
         """[R, width - 1] drafts: each block row's and each offer row's, zeros elsewhere."""
         draft_ids = torch.zeros(len(self.batch.rows), width - 1, dtype=torch.long, device=self.device)
         if block is not None and width > 1:
-            draft_ids[torch.tensor(choice.drafting, device=self.device)] = block.token_ids[:, : width - 1]
-        for i, offer in choice.offers.items():
+            draft_ids[torch.tensor(plan.drafting, device=self.device)] = block.token_ids[:, : width - 1]
+        for i, offer in plan.offers.items():
             n = min(offer.num_tokens, width - 1)
             draft_ids[i, :n] = offer.token_ids[0, :n].to(self.device)
         return draft_ids
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, lengths: list[int],
-                choice: Choice, block: Draft | None) -> tuple[torch.Tensor, torch.Tensor]:
+                plan: Plan, block: Draft | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted drafts [R] and the target's next token [R]: greedy matching, or speculative sampling against each
         draft's q (the block's sampled distribution; one-hot for an offer, whose drafts are deterministic)."""
         rows, device = self.batch.rows, self.device
         accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
         next_tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
-        block_row = {r: k for k, r in enumerate(choice.drafting)}
+        block_row = {r: k for k, r in enumerate(plan.drafting)}
         width = draft_ids.shape[1] + 1
         for members in sampling_groups([r.params for r in rows]).values():
             params = rows[members[0]].params
@@ -676,7 +689,7 @@ class DSparkEngine:
                 source = torch.tensor([block_row[members[k]] for k in drafted], device=device)
                 q[torch.tensor(drafted, device=device)] = torch.softmax(
                     block.q.index_select(0, source)[:, : width - 1], dim=-1)
-            offered = [k for k, i in enumerate(members) if i in choice.offers and lengths[i] > 0]
+            offered = [k for k, i in enumerate(members) if i in plan.offers and lengths[i] > 0]
             if offered:
                 at = torch.tensor(offered, device=device)
                 q[at] = one_hot_probs(draft_ids[sel].index_select(0, at), logits.shape[-1])

@@ -22,7 +22,7 @@ from ..scheduling import (
 )
 from .admission import ADMISSION_HOLD, PrefillCost
 from .measurements import EngineMeasurements
-from .verification import SCHEDULES
+from ..scheduling import SCHEDULES
 
 # The engine's exploration budget (``EngineConfig.explore_budget``) and the longest wait between re-measurements of
 # a losing drafting side (``max_explore_interval``). In a batch a re-measurement costs several times the shortfall of

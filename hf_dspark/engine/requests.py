@@ -243,6 +243,10 @@ class Request:
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.tokens)
 
+    def token_ids(self) -> torch.Tensor:
+        """Its sequence so far [L]: the prompt, then what it emitted (what a free draft source drafts from)."""
+        return torch.tensor(self.prompt_ids + self.tokens)
+
     def emit(self, new_tokens: list[int]) -> list[int]:
         """Append tokens, stopping at the first EOS, stopping criterion or max_new_tokens; returns what was
         appended."""

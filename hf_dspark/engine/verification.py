@@ -1,12 +1,13 @@
-"""Verification of a step's ragged blocks and the sharing of its verification budget: pure functions over tensors
-([R, L] drafts, [R, L + 1, V] target scores, [R, g] confidences), testable without a model."""
+"""Verification of a step's ragged blocks: pure functions over tensors ([R, L] drafts, [R, L + 1, V] target scores),
+testable without a model. The sharing of its verification budget (``schedule_batch``) is in ``hf_dspark.scheduling``."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LogitsProcessorList
 
-SCHEDULES = ("padded", "prefix", "topk")
+from ..scheduling import SCHEDULES
+
 # The Triton kernel variant family (``hf_dspark.kernels``) each schedule launches on CUDA.
 SCHEDULE_KERNELS = {"padded": "width", "prefix": "prefix", "topk": "topk"}
 
@@ -85,37 +86,3 @@ def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_
 def one_hot_probs(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """q [..., V] of deterministic drafts (prompt lookup): all the mass on each drafted token of ``draft_ids``."""
     return torch.nn.functional.one_hot(draft_ids, vocab_size).float()
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Sharing the verification budget (pure functions over [R, g] confidences)
-# ------------------------------------------------------------------------------------------------------------------
-def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
-    """Zero the confidences of positions past each request's cap ([R, g], [R]): the schedulers never admit
-    zero-survival entries, so no request is given more drafts than it may verify."""
-    positions = torch.arange(confidences.shape[1], device=confidences.device)
-    return torch.where(positions < caps[:, None].to(confidences.device), confidences.float(), 0.0)
-
-
-def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: torch.Tensor, schedule: str = "prefix",
-                   capacity: int | None = None) -> torch.Tensor:
-    """Verification lengths [R] for one step from the shared budget.
-
-    ``padded``: Algorithm 1 by width layers (``scheduling.width_schedule``), the cost of the engine's padded batch
-    B = R * (1 + max length). ``prefix``: Algorithm 1 over all R requests at once (greedy admission by prefix
-    survival with early stop, SPS of the batch's total tokens B = R + admitted). ``topk``: admit the ``capacity``
-    entries of highest survival (the capacity must come from earlier steps' confidences). Rows of requests that did
-    not draft carry zeros.
-    """
-    from ..kernels import schedule_lengths
-
-    capped = capped_confidences(confidences, caps)
-    if schedule == "padded":
-        return schedule_lengths(capped, sps_table.to(capped.device), padded=True)
-    if schedule == "prefix":
-        return schedule_lengths(capped, sps_table.to(capped.device))
-    if schedule == "topk":
-        if capacity is None:
-            raise ValueError("the top-K schedule needs a capacity")
-        return schedule_lengths(capped, capacity=int(capacity))
-    raise ValueError(f"unknown schedule {schedule!r}; expected one of {SCHEDULES}")

@@ -28,7 +28,7 @@ from ..engine.admission import PrefillCost
 from ..engine.batching import DSparkEngine
 from ..engine.config import PLAIN, scheduled_policy
 from ..engine.requests import SamplingParams
-from ..engine.verification import SCHEDULES
+from ..scheduling import SCHEDULES
 from ..policy_names import current_policy
 from ..scheduling import VERIFICATION_POLICIES
 
