@@ -147,7 +147,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.set_sps(_profile_target(target, self.max_round_drafts + 1))
         if self.policy.draft_sources:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
-        self.planner = _planner_for(self.policy, self.block_size,
+        self.planner = generate_planner(self.policy, self.block_size,
                                     realized_gate_for(drafter, target) if self.policy.uses_realized_gate else None,
                                     lambda rows: self._draft_seconds)
         self.memory = self.planner.new_memory()  # the sequence's confidence memory (policies priced by SPS)
@@ -533,7 +533,7 @@ def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | Non
     return first or None
 
 
-def _planner_for(policy: VerificationPolicy, block_size: int, gate: RealizedGate | None,
+def generate_planner(policy: VerificationPolicy, block_size: int, gate: RealizedGate | None,
                  draft_seconds: Callable[[int], float | None]) -> Planner:
     """The planner of one ``generate()`` call: ``policy``'s settings, its one sequence priced by Algorithm 1 at one
     row, the drafter's time from ``draft_seconds``, and ``gate`` (the shared realized gate, when the policy uses one)."""

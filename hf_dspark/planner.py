@@ -121,6 +121,8 @@ class Planner:
         self.skips = {} if skips is None else skips
         self.prediction: tuple[float, float] | None = None  # the cost model's (tokens, seconds) for this round
         self.gate_ruled_out = False  # this round's drafting was ruled out by the realized gate alone
+        self._certain = None  # (table, caps, whether certain drafts of every row pay): _certain_drafts_pay
+        self._stale = None  # (table, key, smoothed confidences, prediction): _stale_prediction
 
     @property
     def realized_gate(self) -> bool:
@@ -176,7 +178,7 @@ class Planner:
         found = {}
         for i, (row, cap) in enumerate(zip(rows, caps)):
             if cap > 0 and row.offer_cap > 0 and row.tokens is not None:
-                offer = self._first_offer(row.tokens(), row.offer_cap)
+                offer = self._best_offer(row.tokens(), row.offer_cap, table)
                 if offer is not None:
                     found[i] = offer
         if not found:
@@ -192,12 +194,24 @@ class Planner:
     def _offer_width(self, found: dict[int, Draft]) -> int:
         return max(self.block_size, *(offer.num_tokens for offer in found.values()))
 
-    def _first_offer(self, token_ids: torch.Tensor, cap: int) -> Draft | None:
-        for source in self.sources.values():
-            offer = source.propose(token_ids, cap)
-            if offer is not None:
-                return offer
-        return None
+    def _best_offer(self, token_ids: torch.Tensor, cap: int, table: torch.Tensor) -> Draft | None:
+        """The row's offer from its sources: the only one, or among several the one expected to deliver the most
+        tokens per second verified alone (``_offer_rate``)."""
+        offers = [offer for offer in (source.propose(token_ids, cap) for source in self.sources.values())
+                  if offer is not None and offer.num_tokens > 0]
+        if len(offers) < 2:
+            return offers[0] if offers else None
+        return max(offers, key=lambda offer: self._offer_rate(offer, table))
+
+    def _offer_rate(self, offer: Draft, table: torch.Tensor) -> float:
+        """Expected tokens per second of verifying ``offer`` alone: Algorithm 1's length over its confidences, 0
+        where it gives none."""
+        confidences = _on_host(offer.confidences.float())
+        length = int(schedule_batch(confidences, torch.tensor([offer.num_tokens]), table, "prefix")[0])
+        if length == 0:
+            return 0.0
+        tokens, seconds = expected_round(confidences, [length], table)
+        return tokens / seconds
 
     def _block_beats_offer(self, row: RowState, cap: int, offer: Draft, length: int, table: torch.Tensor) -> bool:
         """One row: whether the block's predicted tokens per second (its smoothed past confidences, the drafter's
@@ -207,12 +221,12 @@ class Planner:
         memory = row.memory
         if cost is None or memory is None or memory.smoothed is None or memory.probe_due:
             return False
-        tokens, seconds = expected_round(offer.confidences.float().cpu(), [length], table)
-        stale = self._corrected(memory.smoothed.float().view(1, -1))
-        block_length = int(schedule_batch(stale, torch.tensor([cap]), table, self._pricing_schedule())[0])
-        if block_length == 0:
+        tokens, seconds = expected_round(_on_host(offer.confidences.float()), [length], table)
+        stale_plan = Plan([cap], True, {}, [], None, [memory])
+        prediction = self._stale_prediction(stale_plan, [cap], torch.tensor([cap], device=self.device), table)
+        if prediction[2][0] == 0:
             return False
-        block_tokens, block_seconds = expected_round(stale, [block_length], table)
+        block_tokens, block_seconds = self._expected(prediction, table)
         return block_tokens / (block_seconds + cost) > tokens / seconds
 
     @staticmethod
@@ -245,8 +259,7 @@ class Planner:
         if not self.scheduled:
             if self.policy.needs_confidences:
                 return candidates
-            lengths = self.policy.verify_lengths(None, torch.tensor(caps)).tolist()
-            return [i for i in candidates if lengths[i] > 0]
+            return [i for i in candidates if self._policy_lengths(None, [caps[i]])[0] > 0]
         if not candidates:
             return candidates
         return self._scheduled_rows(plan, caps, candidates, table, catch_up)
@@ -263,13 +276,13 @@ class Planner:
         if not self.skip_drafting:
             return self._gated(plan, candidates, catch_up)
         cap_tensor = torch.tensor(caps, device=self.device)
-        if not self.drafts_can_pay(cap_tensor, table):
+        if not self._certain_drafts_pay(caps, cap_tensor, table):
             return self._skip("cannot_pay")  # not even certain drafts would be verified at this many rows
-        stale, known = self.stale_confidences(plan.memories, smoothed=True)
-        lengths = schedule_batch(stale, cap_tensor, table, self.schedule, plan.capacity).tolist()
+        prediction = self._stale_prediction(plan, caps, cap_tensor, table)
+        stale, known, lengths, _ = prediction
         worth = [i for i in candidates if known[i] and lengths[i] > 0]
         due = [i for i in candidates if not known[i] or plan.memories[i].probe_due]  # new rows, and probes
-        if worth and not due and self.cost_aware and not self.drafting_pays(stale, lengths, table, len(worth)):
+        if worth and not due and self.cost_aware and not self._pays(self._expected(prediction, table), table, num_rows, len(worth)):
             return self._skip("cost")
         chosen = sorted(set(worth) | set(due))
         if not chosen:
@@ -279,7 +292,7 @@ class Planner:
             # against what the round delivers: checked only on the rounds it chose to draft (those whose stale
             # confidences looked best), its drafting side would learn only its own optimism (a winner's curse: the
             # next drafts fall back toward the mean) and, its factor pulled down, skip drafting for long stretches.
-            self.drafting_pays(stale, lengths, table, len(chosen), keep_prediction=True)
+            self._pays(self._expected(prediction, table), table, num_rows, len(chosen), keep_prediction=True)
         if len(chosen) < num_rows and not self.drafts_can_pay(cap_tensor, table, chosen):
             # Even if these rows' drafts were certain, the padded batch would not verify them (one row's draft
             # widens every row): wait until enough rows draft together (probes wait too; unknown rows stay due).
@@ -298,6 +311,38 @@ class Planner:
         self.skips[reason] = self.skips.get(reason, 0) + 1
         return []
 
+    def _certain_drafts_pay(self, caps: list[int], cap_tensor: torch.Tensor, table: torch.Tensor) -> bool:
+        """``drafts_can_pay`` for every row, kept while the table and the caps stay the same (most rounds)."""
+        cached = self._certain
+        if cached is not None and cached[0] is table and cached[1] == caps:
+            return cached[2]
+        pays = self.drafts_can_pay(cap_tensor, table)
+        self._certain = (table, list(caps), pays)
+        return pays
+
+    def _stale_prediction(self, plan: Plan, caps: list[int], cap_tensor: torch.Tensor, table: torch.Tensor):
+        """What the rows' smoothed past confidences (corrected) predict for a block drafted this round:
+        ``(stale [R, g], known, lengths, (tokens, verify seconds))``. It changes only when a block round updates a
+        memory or the correction, or the table or the caps change, so the rounds in between reuse it (one sequence
+        skipping drafting reads nothing new)."""
+        smoothed = [None if memory is None else memory.smoothed for memory in plan.memories]
+        key = (list(caps), plan.capacity, None if self.correction is None else self.correction.predicted)
+        cached = self._stale
+        if (cached is not None and cached[0] is table and cached[1][:2] == key[:2] and cached[1][2] is key[2]
+                and len(cached[2]) == len(smoothed) and all(a is b for a, b in zip(cached[2], smoothed))):
+            return cached[3]
+        stale, known = self.stale_confidences(plan.memories, smoothed=True)
+        lengths = schedule_batch(stale, cap_tensor, table, self.schedule, plan.capacity).tolist()
+        prediction = [stale, known, lengths, None]  # the expected round is computed when first asked (``_expected``)
+        self._stale = (table, key, smoothed, prediction)
+        return prediction
+
+    def _expected(self, prediction: list, table: torch.Tensor) -> tuple[float, float]:
+        """The stale prediction's expected round (tokens, verify seconds), computed once per prediction."""
+        if prediction[3] is None:
+            prediction[3] = expected_round(prediction[0], prediction[2], table, padded=self.schedule == "padded")
+        return prediction[3]
+
     def _corrected(self, confidences: torch.Tensor) -> torch.Tensor:
         return confidences if self.correction is None else self.correction.correct(confidences)
 
@@ -307,7 +352,7 @@ class Planner:
         are known; ``smoothed``: the moving average of its drafts' confidences instead (the skip decisions)."""
         values = [None if memory is None else memory.smoothed if smoothed else memory.last for memory in memories]
         known = [value is not None for value in values]
-        stale = torch.stack([value.float().cpu() if value is not None else torch.zeros(self.block_size)
+        stale = torch.stack([_on_host(value.float()) if value is not None else torch.zeros(self.block_size)
                              for value in values])
         return self._corrected(stale).to(self.device), known
 
@@ -345,12 +390,17 @@ class Planner:
         drafter's measured cost, each side's expected rate scaled by ``model_factors``. When it says "draft" (or
         ``keep_prediction``: the round drafts anyway), its prediction (tokens, seconds) is kept in ``prediction``
         for the caller to check against what the round delivers."""
+        expected = expected_round(stale, predicted, table, padded=self.schedule == "padded")
+        return self._pays(expected, table, stale.shape[0], rows, keep_prediction)
+
+    def _pays(self, expected: tuple[float, float], table: torch.Tensor, num_rows: int, rows: int,
+              keep_prediction: bool = False) -> bool:
+        """``drafting_pays`` from the stale prediction's ``expected`` (tokens, verify seconds) at ``num_rows``."""
         self.prediction = None
         cost = self.draft_cost(rows)
         if cost is None:
             return True  # not measured yet: draft, and measure
-        num_rows = stale.shape[0]
-        tokens, verify_seconds = expected_round(stale, predicted, table, padded=self.schedule == "padded")
+        tokens, verify_seconds = expected
         pays = drafting_pays(tokens, verify_seconds, cost, num_rows * float(table[num_rows]),
                              *self.model_factors(num_rows))
         self.prediction = (tokens, verify_seconds + cost) if pays or keep_prediction else None
@@ -368,8 +418,8 @@ class Planner:
         if not drafting and not offers:
             return lengths
         if not self.scheduled:
-            chosen = self.policy.verify_lengths(block_confidences, torch.tensor([caps[i] for i in drafting]))
-            for i, length in zip(drafting, chosen.tolist()):
+            chosen = self._policy_lengths(block_confidences, [caps[i] for i in drafting])
+            for i, length in zip(drafting, chosen):
                 if not 0 <= length <= caps[i]:
                     raise ValueError(f"verification policy {self.policy.name!r} returned {length}, outside "
                                      f"[0, {caps[i]}]")
@@ -383,12 +433,19 @@ class Planner:
         confidences, cap_tensor = self.with_offers(confidences, caps, offers)
         return schedule_batch(confidences, cap_tensor, table, self.schedule, plan.capacity).tolist()
 
+    def _policy_lengths(self, confidences: torch.Tensor | None, caps: list[int]) -> list[int]:
+        """A policy not priced by SPS: its lengths for rows with these caps (one row: its per-row rule, which for a
+        fixed length reads no tensor)."""
+        if len(caps) == 1:
+            return [int(self.policy.num_to_verify(None if confidences is None else confidences[0], caps[0]))]
+        return self.policy.verify_lengths(confidences, torch.tensor(caps)).tolist()
+
     def observe(self, plan: Plan, block_confidences: torch.Tensor | None, lengths: list[int],
                 accepted: list[int]) -> None:
         """After verification: each row's confidence memory (a block round, or a round without one), and the
         survival correction's record of what the verified prefixes of the block delivered."""
         block_row = {i: k for k, i in enumerate(plan.drafting)}
-        confidences = None if block_confidences is None else block_confidences.detach().float().cpu()
+        confidences = None if block_confidences is None else _on_host(block_confidences.detach().float())
         for i, memory in enumerate(plan.memories):
             if memory is None:
                 continue
@@ -401,6 +458,11 @@ class Planner:
             index = torch.tensor(plan.drafting)  # raw survivals: the factors map the drafter's own to the observed
             self.correction.observe(capped_confidences(confidences, torch.tensor(plan.caps)[index]),
                                     torch.tensor(lengths)[index], torch.tensor(accepted)[index])
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU: a copy from an accelerator, the tensor itself when it is there already."""
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 __all__ = ["Plan", "Planner", "RowState", "SKIP_REASONS"]

@@ -25,7 +25,8 @@ from hf_dspark.engine import (
     speculative_verify,
 )
 from hf_dspark.engine.admission import ADMISSION_HOLD_GENERATIONS, hold_budget
-from hf_dspark.engine.decisions import DraftingDecisions
+from hf_dspark.engine import batching as engine_batching
+from hf_dspark.planner import Planner, RowState
 from hf_dspark.profiling import BatchedStepsPerSecond
 from hf_dspark.scheduling import ConfidenceMemory, StepsPerSecond
 from tests.helpers import make_drafter, make_target, random_prompts, train_drafter_on_target, require_smollm2
@@ -80,6 +81,19 @@ def test_greedy_verify_hand_computed():
     accepted, nxt = greedy_verify(drafts, num, logits)
     assert accepted.tolist() == [1, 2, 0]  # mismatch at 2nd draft; all accepted; nothing verified
     assert nxt.tolist() == [6, 3, 4]  # correction; bonus; the target's own token
+
+
+def drafting_rows(engine: DSparkEngine, caps: list[int]) -> list[int]:
+    """The rows the engine's planner drafts this step with these caps (rows past the batch's: no memory)."""
+    rows = engine.batch.rows
+    states = [RowState(cap, rows[i].memory if i < len(rows) else None) for i, cap in enumerate(caps)]
+    table = engine.pricing.sps_table(len(caps))
+    return engine.planner.plan(states, table, engine_batching.representative(engine.batch), engine._catch_up).drafting
+
+
+def allows(engine: DSparkEngine, rows: int) -> bool:
+    """The engine's realized gate: whether a step at ``rows`` requests may draft (its state moves, as a step's)."""
+    return engine.measurements.drafting_allowed(rows, *engine.planner.explore)
 
 
 def test_speculative_verify_edge_cases():
@@ -424,7 +438,7 @@ def test_scheduler_on_and_off(tiny_targets, trained_drafters):
         assert a.token_ids == b.token_ids == c.token_ids
 
 
-def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
+def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters, monkeypatch):
     """When no draft is worth verifying every budget is zero: requests stop drafting (only probes refresh their
     confidences, ever more rarely: each fruitless one doubles the wait) and decode exactly like plain greedy."""
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
@@ -432,8 +446,8 @@ def test_zero_budget_requests_skip_drafting(tiny_targets, trained_drafters):
     probe = 3
     engine = DSparkEngine(target, drafter, policy="scheduler", sps=PROHIBITIVE_SPS, probe_interval=probe)
     # probe as if a certain draft could pay (see the next test)
-    engine.decisions.drafts_can_pay = lambda caps, table, rows=None: True
-    engine.decisions.representative = lambda: True  # the realized gate may measure on the first step too
+    engine.planner.drafts_can_pay = lambda caps, table, rows=None: True
+    monkeypatch.setattr(engine_batching, "representative", lambda batch: True)  # the gate may measure on step 1
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
     engine.run()
     assert sum(engine.stats.verify_tokens) == 0
@@ -563,8 +577,8 @@ def test_skip_decisions_use_the_smoothed_confidences(tiny_targets, trained_draft
         request.memory.drafted(torch.full((g,), 0.01), verified=1)
         assert request.memory.smoothed[0].item() == pytest.approx((1 - smoothing) * 0.9 + smoothing * 0.01)
         caps = [min(g, r.remaining - 1) for r in engine.batch.rows]
-        assert (engine.decisions.drafting_rows(caps, None) == [0]) is drafts
-        assert engine.decisions.stale_confidences()[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
+        assert (drafting_rows(engine, caps) == [0]) is drafts
+        assert engine.planner.stale_confidences([r.memory for r in engine.batch.rows])[0][0, 0].item() == pytest.approx(0.01, abs=1e-6)
     with pytest.raises(ValueError, match="confidence_smoothing"):
         DSparkEngine(target, drafter, policy="scheduler", confidence_smoothing=1.5)
 
@@ -637,55 +651,55 @@ def test_realized_gate_decisions():
     drafter = make_drafter(target)
     engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS, explore_interval=3,
                           max_explore_interval=12, explore_budget=0)  # the doubling wait alone
-    assert engine.decisions.realized_gate
-    assert engine.decisions.realized_allows_drafting(16)
+    assert engine.planner.realized_gate
+    assert allows(engine, 16)
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert engine.decisions.realized_allows_drafting(16)  # one drafting step is not a measurement yet
+    assert allows(engine, 16)  # one drafting step is not a measurement yet
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert not engine.decisions.realized_allows_drafting(16)  # drafting measured twice, plain never: measure plain now
+    assert not allows(engine, 16)  # drafting measured twice, plain never: measure plain now
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)  # plain: 100 tok/s beats drafting's 80
-    assert not engine.decisions.realized_allows_drafting(16)  # plain measured once: measure it again (VERDICT_ROUNDS)
-    assert engine.decisions.realized_allows_drafting(8)  # no verdict at 16 yet for 8 to take
+    assert not allows(engine, 16)  # plain measured once: measure it again (VERDICT_ROUNDS)
+    assert allows(engine, 8)  # no verdict at 16 yet for 8 to take
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert not engine.decisions.realized_allows_drafting(16)  # the verdict: plain
-    assert engine.decisions.realized_allows_drafting(4)  # a much smaller batch size is judged on its own
+    assert not allows(engine, 16)  # the verdict: plain
+    assert allows(engine, 4)  # a much smaller batch size is judged on its own
     # one within half of 16 (a draining batch) takes its verdict
-    assert not engine.decisions.realized_allows_drafting(8)
-    assert not engine.decisions.realized_allows_drafting(12)
+    assert not allows(engine, 8)
+    assert not allows(engine, 12)
     # a larger one not measured yet: drafting lost at 16, so not here
-    assert not engine.decisions.realized_allows_drafting(32)
+    assert not allows(engine, 32)
     engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
     engine.measurements.record_step(32, True, emitted=24, seconds=0.1)
     # measured twice at 32 itself, plain never: plain at 32 now
-    assert not engine.decisions.realized_allows_drafting(32)
-    assert not engine.decisions.realized_allows_drafting(64)  # 32 has no plain steps: 16 (drafting lost) decides
+    assert not allows(engine, 32)
+    assert not allows(engine, 64)  # 32 has no plain steps: 16 (drafting lost) decides
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine.decisions.realized_allows_drafting(16)  # 3 steps since drafting last ran: re-measure it
+    assert allows(engine, 16)  # 3 steps since drafting last ran: re-measure it
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
-    assert engine.decisions.realized_allows_drafting(16)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
+    assert allows(engine, 16)  # a re-measurement runs REMEASURE_ROUNDS (2) drafting steps
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)  # still 80 tok/s: the next one waits 6 steps
     for _ in range(5):
         engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-        assert not engine.decisions.realized_allows_drafting(16)
+        assert not allows(engine, 16)
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine.decisions.realized_allows_drafting(16)  # 6 steps: re-measure (the wait is now 12, at most 12)
+    assert allows(engine, 16)  # 6 steps: re-measure (the wait is now 12, at most 12)
     assert engine.measurements.explore_wait[16] == 12
     engine.measurements.record_step(16, True, emitted=8, seconds=0.1)
     engine.measurements.record_step(16, True, emitted=18, seconds=0.1)  # this re-measurement: 26 / 0.2 s = 130 tok/s
     assert engine.measurements.realized_rate(16, True) < 100  # the whole window (the old losing steps) would say lose
     # drafting wins: waits reset
-    assert engine.decisions.realized_allows_drafting(16) and engine.measurements.explore_wait[16] == 3
-    assert engine.decisions.realized_allows_drafting(24)  # and a larger batch size not yet measured may try again
+    assert allows(engine, 16) and engine.measurements.explore_wait[16] == 3
+    assert allows(engine, 24)  # and a larger batch size not yet measured may try again
     engine.measurements.record_step(16, True, emitted=40, seconds=0.1)
-    assert not engine.decisions.realized_allows_drafting(16)  # winning, but plain last measured 3 steps ago: refresh it
+    assert not allows(engine, 16)  # winning, but plain last measured 3 steps ago: refresh it
     engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
-    assert engine.decisions.realized_allows_drafting(16)
+    assert allows(engine, 16)
     for _ in range(40):  # the window keeps the last 32 plain steps: one slow step moves the rate a little
         engine.measurements.record_step(16, False, emitted=4, seconds=0.04)
     engine.measurements.record_step(16, False, emitted=4, seconds=0.4)
     assert engine.measurements.realized_rate(16, False) == pytest.approx(128 / (31 * 0.04 + 0.4))
-    assert not DSparkEngine(target, drafter, policy="scheduler", cost_aware=False).decisions.realized_gate
-    assert not DSparkEngine(target, drafter, policy="fixed").decisions.realized_gate
+    assert not DSparkEngine(target, drafter, policy="scheduler", cost_aware=False).planner.realized_gate
+    assert not DSparkEngine(target, drafter, policy="fixed").planner.realized_gate
     with pytest.raises(ValueError, match="explore_interval must be >= 1"):
         DSparkEngine(target, drafter, policy="scheduler", explore_interval=0)
     with pytest.raises(ValueError, match="explore_budget must be in"):
@@ -708,12 +722,12 @@ def test_gate_refusal_skips_the_drafting_decision(monkeypatch):
     def decided(*args, **kwargs):
         raise AssertionError("the drafting decision ran")
 
-    monkeypatch.setattr(engine.decisions, "stale_confidences", decided)
-    assert engine.decisions.drafting_rows([3, 3, 3, 3], None) == []  # refused at 4 rows: nothing else computed
-    assert engine.decisions.gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
+    monkeypatch.setattr(engine.planner, "stale_confidences", decided)
+    assert drafting_rows(engine, [3, 3, 3, 3]) == []  # refused at 4 rows: nothing else computed
+    assert engine.planner.gate_ruled_out  # nor is the cost model checked on that step (it decided nothing)
     with pytest.raises(AssertionError, match="the drafting decision ran"):
-        engine.decisions.drafting_rows([3], None)  # 1 row: drafting free there, so the decision runs
-    assert not engine.decisions.gate_ruled_out
+        drafting_rows(engine, [3])  # 1 row: drafting free there, so the decision runs
+    assert not engine.planner.gate_ruled_out
 
 
 def test_steps_the_gate_ruled_out_do_not_check_the_cost_model(tiny_targets, trained_drafters):
@@ -759,11 +773,11 @@ def test_probe_steps_check_the_cost_model():
                            probe_interval=2)
     probing.batch.rows[:] = [_fake_request(i, 2, 0.9, probing.block_size) for i in range(2)]
     probing.measurements.record_draft(2, 10.0)  # a drafter so slow that the model never drafts by itself
-    assert probing.decisions.drafting_rows([3, 3], None) == [] and probing.decisions.prediction is None
+    assert drafting_rows(probing, [3, 3]) == [] and probing.planner.prediction is None
     probing.batch.rows[1].memory.idle = 2  # its probe is due
-    assert probing.decisions.drafting_rows([3, 3], None) == [0, 1]
+    assert drafting_rows(probing, [3, 3]) == [0, 1]
     # priced with the drafter's cost
-    assert probing.decisions.prediction is not None and probing.decisions.prediction[1] > 10.0
+    assert probing.planner.prediction is not None and probing.planner.prediction[1] > 10.0
 
 
 @pytest.fixture
@@ -780,7 +794,7 @@ def slow_catch_up(tiny_targets, monkeypatch):
         return flush(self, *args, **kwargs)
 
     monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
-    monkeypatch.setattr(DraftingDecisions, "drafting_pays", lambda self, *args, **kwargs: True)
+    monkeypatch.setattr(Planner, "drafting_pays", lambda self, *args, **kwargs: True)
     target = tiny_targets["llama"]
     return [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
 
@@ -885,8 +899,8 @@ def test_context_catch_ups_are_timed_and_price_a_remeasurement(tiny_targets, tra
     assert asked and all(c >= 0 for c in asked) and asked[0] == 0.0
     engine.add_request(prompts[0], SamplingParams(max_new_tokens=4))
     engine._admit()
-    assert engine.decisions.catch_up([0]) == pytest.approx(measured.catch_up_seconds(len(prompts[0])))
-    assert engine.decisions.catch_up([]) == 0.0
+    assert engine._catch_up([0]) == pytest.approx(measured.catch_up_seconds(len(prompts[0])))
+    assert engine._catch_up([]) == 0.0
     loaded = EngineMeasurements.from_dict(measured.to_dict())
     assert list(loaded.catch_up) == list(measured.catch_up)
     old_file = measured.to_dict()
@@ -969,7 +983,7 @@ def test_first_steps_after_the_prompt_neither_measure_nor_enter_the_realized_gat
     target, drafter = tiny_targets["llama"], trained_drafters["llama"]
     prompts = in_distribution_prompts(target, 2)
     engine = DSparkEngine(target, drafter, policy="scheduler", sps=FLAT_SPS)
-    assert engine.decisions.realized_gate
+    assert engine.planner.realized_gate
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=12)) for p in prompts]
     engine.step()
     assert engine.stats.drafting == [0] and engine.measurements.realized == {}
@@ -997,16 +1011,16 @@ def test_certain_draft_question_is_asked_once_when_every_row_drafts(tiny_targets
         # a steep table (verifying never pays) or a flat one (it always does)
         table = torch.tensor([1.0 / max(1, b) ** rng.choice([0.0, 2.0]) for b in range(rows * (g + 1) + 1)])
         caps = torch.tensor([rng.randint(0, g) for _ in range(rows)])
-        can_pay = engine.decisions.drafts_can_pay
+        can_pay = engine.planner.drafts_can_pay
         assert can_pay(caps, table, list(range(rows))) == can_pay(caps, table)
     asked = []
-    original = engine.decisions.drafts_can_pay
+    original = engine.planner.drafts_can_pay
 
     def recording(caps, table, rows=None):
         asked.append(rows)
         return original(caps, table, rows)
 
-    engine.decisions.drafts_can_pay = recording
+    engine.planner.drafts_can_pay = recording
     for prompt in in_distribution_prompts(target, 2):
         engine.add_request(prompt, SamplingParams(max_new_tokens=12))
     engine.step()  # the first step after the prompts: the gate keeps it plain before any question
@@ -1122,7 +1136,7 @@ def test_engine_settings_that_override_the_drafters_warn(tiny_targets):
     with pytest.warns(UserWarning, match="EngineConfig.lookup_max_ngram=4, not the drafter's "
                                          "generation_config.lookup_max_ngram=3"):
         engine = DSparkEngine(target, drafter, policy="hybrid", sps=FLAT_SPS)
-    assert engine.decisions.policy.max_ngram == 4
+    assert engine.planner.policy.max_ngram == 4
     drafter.generation_config.num_verify_tokens = 2
     with pytest.warns(UserWarning, match="EngineConfig.num_verify_tokens=None, not the drafter's"):
         DSparkEngine(target, drafter, policy="fixed")
@@ -2190,11 +2204,11 @@ def test_cost_model_is_scaled_by_what_its_decisions_delivered(tiny_targets, trai
     stale = torch.full((4, drafter.config.block_size), 0.9)
     table = engine.pricing.sps_table(4)
     predicted = [2] * 4
-    assert engine.decisions.drafting_pays(stale, predicted, table, 4)
-    assert engine.decisions.prediction is not None and engine.decisions.prediction[0] > 4  # kept for the step to check
+    assert engine.planner.drafting_pays(stale, predicted, table, 4)
+    assert engine.planner.prediction is not None and engine.planner.prediction[0] > 4  # kept for the step to check
     for _ in range(32):  # its drafting steps delivered a fifth of what it predicted
         engine.measurements.record_model_check(4, True, 10.0, 0.01, 2, 0.01)
-    assert not engine.decisions.drafting_pays(stale, predicted, table, 4) and engine.decisions.prediction is None
+    assert not engine.planner.drafting_pays(stale, predicted, table, 4) and engine.planner.prediction is None
 
     served = DSparkEngine(target, drafter, policy="scheduler", sps=DECREASING_SPS)
     prompts = in_distribution_prompts(target, 3)

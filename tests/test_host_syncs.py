@@ -29,17 +29,20 @@ CHEAP_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 9
 # 1 ms clock below. What they are (the per-site means are in the failure message):
 #   every block round, generation.py _stats_lists: the confidences and their logits for the stats lists, stacked and
 #     read in one .tolist(). Fixed needs nothing else: it knows its length.
-#   a block round's length from a scheduling policy must reach the host to slice the candidates: prefix_schedule's
-#     admitted count (int) then _schedule's int of the length, and the online correction's factors() (.tolist() of
-#     CPU state, no GPU sync). What the smoothed past confidences predict (_stale_plan: Algorithm 1 again, two
-#     floats) is computed once per block round and reused by the rounds until the next one.
-#   hybrid, every round: prompt_lookup's one .tolist() of (match length, start), then Algorithm 1 and _expected_rate
-#     over the lookup's confidences before it chooses; a block round then pays the scheduler's reads on top.
+#   a block round's length from a scheduling policy must reach the host to slice the candidates: the planner copies
+#     the block's confidences to the host once (hf_dspark.planner: memories, the correction and the SPS table live
+#     there, so every later read in the round is of host memory, no GPU sync), then Algorithm 1's admitted count and
+#     the lengths' .tolist(), and the online correction's factors(). What the smoothed past confidences predict
+#     (Planner._stale_prediction: Algorithm 1 again, its expected round two floats, the pay-off rule one) is
+#     computed once per change of a memory, the correction or the table, and reused by the rounds in between.
+#   hybrid, every round: prompt_lookup's one .tolist() of (match length, start), then Algorithm 1 over the lookup's
+#     confidences, and (once the block has a prediction) its expected rate against the block's; a block round then
+#     pays the scheduler's reads on top.
 #   the last round (nothing left to draft) reads nothing.
 BUDGETS = {
     "fixed": {"block": 1, "none": 0},
-    "scheduler": {"block": 9, "none": 0},
-    "hybrid": {"block": 14, "lookup": 11},
+    "scheduler": {"block": 12, "none": 0},
+    "hybrid": {"block": 15, "lookup": 13},
 }
 
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hf_dspark.draft_sources import Draft, prompt_lookup
+from hf_dspark.generation import generate_planner
+from hf_dspark.planner import RowState
 from hf_dspark.scheduling import HybridPolicy, LookupSurvival, StepsPerSecond
 from tests.helpers import random_prompts
 from tests.test_greedy_equality import assert_same_greedy, set_policy
@@ -44,26 +46,51 @@ def _offer(confidences: list[float], source: str = "lookup") -> Draft:
     return Draft(torch.arange(len(confidences)).view(1, -1), None, torch.tensor([confidences]), source)
 
 
-def test_choose_source_prices_lookup_block_and_plain():
-    policy = HybridPolicy(StepsPerSecond([1, 8], [100.0, 98.0]))
-    sure = [0.95, 0.95, 0.95, 0.9]
-    assert policy.choose_source([_offer(sure)], 4, None) == ("lookup", 4)
+class FixedOffer:
+    """A free source that always offers the same draft."""
+
+    def __init__(self, confidences: list[float], name: str = "lookup"):
+        self.name, self.offer = name, _offer(confidences, name)
+
+    def propose(self, token_ids, max_tokens):
+        return self.offer
+
+
+def _hybrid_row(sps: StepsPerSecond, *offers: FixedOffer, draft_seconds: float | None = None):
+    """generate()'s planner under the hybrid policy with these sources in place of the lookup, and its one row."""
+    planner = generate_planner(HybridPolicy(sps), 4, None, lambda rows: draft_seconds)
+    planner.sources = {offer.name: offer for offer in offers}
+    return planner, planner.new_memory()
+
+
+def _choice(planner, memory, sps: StepsPerSecond) -> tuple[str, int]:
+    """(source, length) of one round: an offer's source and length, ("block", 0) or ("none", 0)."""
+    table = sps.table()
+    plan = planner.plan([RowState(4, memory, lambda: torch.arange(8), 4)], table)
+    if plan.offers:
+        return plan.offers[0].source, planner.lengths(plan, None, table)[0]
+    return ("block", 0) if plan.drafting else ("none", 0)
+
+
+def test_the_planner_prices_lookup_block_and_plain():
+    cheap, sure = StepsPerSecond([1, 8], [100.0, 98.0]), [0.95, 0.95, 0.95, 0.9]
+    assert _choice(*_hybrid_row(cheap, FixedOffer(sure)), cheap) == ("lookup", 4)
     # 1.001 x SPS(2) < SPS(1): the lookup does not pay; with nothing learnt about the block yet, it is probed
-    assert policy.choose_source([_offer([0.001, 0.001])], 4, None)[0] == "block"
-    expensive = HybridPolicy(StepsPerSecond([1, 2, 8], [100.0, 40.0, 10.0]))
-    assert expensive.choose_source([_offer([0.5, 0.5])], 4, None)[0] != "lookup"  # 1.5 x 40 < 100
+    assert _choice(*_hybrid_row(cheap, FixedOffer([0.001, 0.001])), cheap)[0] == "block"
+    expensive = StepsPerSecond([1, 2, 8], [100.0, 40.0, 10.0])
+    assert _choice(*_hybrid_row(expensive, FixedOffer([0.5, 0.5])), expensive)[0] != "lookup"  # 1.5 x 40 < 100
     # A block predicted far better than the lookup wins once it has a prediction.
-    policy.num_to_verify(torch.tensor([0.99, 0.99, 0.99, 0.99]), 4)
-    policy.observe(4, 4)
-    assert policy.choose_source([_offer([0.3, 0.3])], 4, 1e-4) == ("block", 0)
+    planner, memory = _hybrid_row(cheap, FixedOffer([0.3, 0.3]), draft_seconds=1e-4)
+    memory.drafted(torch.tensor([0.99, 0.99, 0.99, 0.99]), 4)
+    assert _choice(planner, memory, cheap) == ("block", 0)
 
 
-def test_choose_source_takes_the_best_paying_offer():
+def test_the_planner_takes_the_best_paying_offer():
     """Several free sources: the one whose drafts are expected to deliver the most tokens per second drafts."""
-    policy = HybridPolicy(StepsPerSecond([1, 8], [100.0, 98.0]))
-    offers = [_offer([0.6, 0.6], "lookup"), _offer([0.95, 0.95, 0.95], "other")]
-    assert policy.choose_source(offers, 4, None) == ("other", 3)
-    assert policy.choose_source(offers[:1], 4, None) == ("lookup", 2)
+    cheap = StepsPerSecond([1, 8], [100.0, 98.0])
+    lookup, other = FixedOffer([0.6, 0.6], "lookup"), FixedOffer([0.95, 0.95, 0.95], "other")
+    assert _choice(*_hybrid_row(cheap, lookup, other), cheap) == ("other", 3)
+    assert _choice(*_hybrid_row(cheap, lookup), cheap) == ("lookup", 2)
 
 
 DEAR_VERIFY = {"sample_batch_tokens": [1, 8], "sample_steps_per_sec": [100.0, 60.0]}
@@ -161,9 +188,9 @@ def _hybrid(drafter, monkeypatch):
     """The hybrid policy with lookup drafts preferred whenever they pay over plain decoding: the block's predicted
     rate depends on the drafter's measured time, which varies by machine, and the distribution tests need many
     verified lookup rounds everywhere (block rounds still come where no lookup draft is found or pays)."""
-    from hf_dspark.scheduling import HybridPolicy
+    from hf_dspark.planner import Planner
 
-    monkeypatch.setattr(HybridPolicy, "block_rate", lambda self, max_drafts, draft_seconds: None)
+    monkeypatch.setattr(Planner, "_block_beats_offer", lambda self, *args: False)
     drafter.generation_config.verification_policy = "hybrid"
     drafter.generation_config.sps_profile = CHEAP_VERIFY
     drafter.__dict__.pop("_dspark_lookup_survival", None)

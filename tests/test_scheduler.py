@@ -6,7 +6,9 @@ import random
 import pytest
 import torch
 
+from hf_dspark.generation import generate_planner
 from hf_dspark.gate import EXPLORE_BUDGET, REALIZED_WINDOW, REMEASURE_ROUNDS, RealizedGate, realized_window
+from hf_dspark.planner import RowState
 from hf_dspark.scheduling import (
     PrefixSchedulerPolicy,
     StepsPerSecond,
@@ -147,6 +149,8 @@ def test_policy_single_request():
     policy = PrefixSchedulerPolicy(sps)
     assert policy.num_to_verify(torch.tensor([0.9, 0.8, 0.5]), 3) == 2
     assert policy.num_to_verify(torch.tensor([0.9, 0.8, 0.5]), 1) == 1
+    assert OneRow(policy).verify(torch.tensor([0.9, 0.8, 0.5, 0.0]), 3) == 2  # generate()'s planner, no history
+    assert OneRow(policy).verify(torch.tensor([0.9, 0.8, 0.5, 0.0]), 1) == 1
     with pytest.raises(ValueError, match="SPS profile"):
         PrefixSchedulerPolicy().num_to_verify(torch.tensor([0.9]), 1)
 
@@ -217,37 +221,91 @@ def test_width_schedule_appendix_a_in_a_batch():
     assert exact["A"] == pytest.approx(0.7) and exact["B"] == pytest.approx(0.3)
 
 
+class OneRow:
+    """``generate()``'s planner over one sequence (``generation.generate_planner``), driven round by round: ``drafts``
+    asks whether this round drafts a block, ``verify`` the planner's length for the block's confidences, ``skip`` /
+    ``verdict`` tell it what happened."""
+
+    def __init__(self, policy, block_size: int = 4, gate=None, draft_seconds: float | None = None):
+        self.policy, self.draft_seconds = policy, draft_seconds
+        self.planner = generate_planner(policy, block_size, gate, lambda rows: self.draft_seconds)
+        self.memory = self.planner.new_memory()
+        self.plan = None
+
+    def drafts(self, cap: int) -> bool:
+        self.plan = self.planner.plan([RowState(cap, self.memory)], self.policy.sps_table())
+        return bool(self.plan.drafting)
+
+    def verify(self, confidences: torch.Tensor, cap: int | None = None) -> int:
+        """A drafted block's length (planning the round first when ``drafts`` was not asked)."""
+        if self.plan is None:
+            assert self.drafts(confidences.shape[0] if cap is None else cap)
+        self.confidences = confidences.view(1, -1)
+        return self.planner.lengths(self.plan, self.confidences, self.policy.sps_table())[0]
+
+    def verdict(self, length: int, accepted: int) -> None:
+        drafted = bool(self.plan.drafting)
+        self.planner.observe(self.plan, self.confidences if drafted else None, [length], [accepted])
+        self.plan = None
+
+    def skip(self) -> None:
+        self.planner.observe(self.plan, None, [0], [0])
+        self.plan = None
+
+    def round(self, confidences: torch.Tensor, accepted: int = 0) -> int:
+        """One block round: plan, length, verdict; returns the length."""
+        length = self.verify(confidences)
+        self.verdict(length, accepted)
+        return length
+
+
 # --------------------------------------------------------------------------------------------------------------
 # R = 1 policy: skipping drafts that cannot pay, and the online survival correction
 # --------------------------------------------------------------------------------------------------------------
 def test_policy_skips_drafting_and_probes_with_backoff():
-    steep = StepsPerSecond([1, 2, 8], [100.0, 1.0, 0.1])  # nothing is ever worth verifying
-    policy = PrefixSchedulerPolicy(steep, online_correction=False, probe_interval=2, max_probe_interval=8)
+    dear = StepsPerSecond([1, 2, 8], [100.0, 60.0, 20.0])  # a draft pays only when a_1 > 2/3
+    row = OneRow(PrefixSchedulerPolicy(dear, online_correction=False, probe_interval=2, max_probe_interval=8), 3)
     pattern = []
     for _ in range(40):
-        drafted = policy.should_draft(3)
+        drafted = row.drafts(3)
         pattern.append(int(drafted))
         if drafted:
-            assert policy.num_to_verify(torch.tensor([0.9, 0.9, 0.9]), 3) == 0
-        policy.observe(0, 0)
+            assert row.verify(torch.tensor([0.1, 0.1, 0.1])) == 0
+            row.verdict(0, 0)
+        else:
+            row.skip()
     rounds = [i for i, x in enumerate(pattern) if x]
     gaps = [b - a for a, b in zip(rounds, rounds[1:])]
     assert pattern[0] == 1 and gaps[:4] == [5, 9, 9, 9], pattern  # waits 4, 8, 8, 8 (doubled from 2, capped at 8)
+    assert row.planner.skips == {"no_budget": 40 - len(rounds)}
+    # Where not even certain drafts would be verified, it does not draft at all, probes included.
+    steep = StepsPerSecond([1, 2, 8], [100.0, 1.0, 0.1])
+    never = OneRow(PrefixSchedulerPolicy(steep, online_correction=False, probe_interval=2), 3)
+    for _ in range(10):
+        assert not never.drafts(3)
+        never.skip()
+    assert never.planner.skips == {"cannot_pay": 10}
     # Without skipping it drafts every round.
-    always = PrefixSchedulerPolicy(steep, skip_drafting=False)
-    assert all(always.should_draft(3) for _ in range(5))
+    always = OneRow(PrefixSchedulerPolicy(steep, skip_drafting=False), 3)
+    for _ in range(5):
+        assert always.drafts(3)
+        always.verify(torch.tensor([0.9, 0.9, 0.9]))
+        always.verdict(0, 0)
 
 
 def test_policy_skips_drafting_when_the_drafter_costs_too_much():
     flat = StepsPerSecond([1, 8], [100.0, 100.0])
-    policy = PrefixSchedulerPolicy(flat, online_correction=False, probe_interval=3)
-    assert policy.num_to_verify(torch.tensor([0.5, 0.5]), 2) == 2
-    policy.observe(2, 1)
-    assert policy.should_draft(2, draft_seconds=0.001)  # (1 + .75) / (.01 + .001) > 100
-    assert not policy.should_draft(2, draft_seconds=0.1)  # (1 + .75) / (.01 + .1) < 100
+    row = OneRow(PrefixSchedulerPolicy(flat, online_correction=False, probe_interval=3), 2)
+    assert row.round(torch.tensor([0.5, 0.5]), accepted=1) == 2
+    row.draft_seconds = 0.001
+    assert row.drafts(2)  # (1 + .75) / (.01 + .001) > 100
+    row.draft_seconds = 0.1
+    assert not row.drafts(2)  # (1 + .75) / (.01 + .1) < 100
+    assert row.planner.skips == {"cost": 1}
     for _ in range(3):
-        policy.observe(0, 0)  # skipped rounds
-    assert policy.should_draft(2, draft_seconds=0.1)  # a probe is due
+        row.skip()  # skipped rounds
+        row.drafts(2)
+    assert row.drafts(2)  # a probe is due
 
 
 def test_policy_realized_gate_overrides_confident_drafting():
@@ -257,36 +315,32 @@ def test_policy_realized_gate_overrides_confident_drafting():
     flat = StepsPerSecond([1, 8], [100.0, 100.0])  # verification is free: the confidences always say "draft"
     policy = PrefixSchedulerPolicy(flat, online_correction=False, realized_gate=True, explore_interval=2,
                                    max_explore_interval=4, explore_budget=0)  # the doubling wait alone
-    assert policy.uses_realized_gate and policy.should_draft(2)  # no gate handed over yet: the confidences decide
+    assert policy.uses_realized_gate and OneRow(policy, 2).drafts(2)  # no gate handed over: the confidences decide
     gate = RealizedGate()
-    policy.set_realized_gate(gate)
-    policy.num_to_verify(torch.tensor([0.9, 0.9]), 2)
-    policy.observe(2, 2)
-    assert policy.should_draft(2)  # nothing measured yet
+    row = OneRow(policy, 2, gate)
+    assert row.round(torch.tensor([0.9, 0.9]), accepted=2) == 2
+    assert row.drafts(2)  # nothing measured yet
+    row.skip()
     for drafted, seconds in ((True, 1.0), (True, 1.0), (False, 0.1)):  # drafting: 1 token/s; plain: 10 tokens/s
-        policy.record_round(drafted, 1, seconds)
+        gate.record_step(1, drafted, 1, seconds)
     pattern = []
     for _ in range(12):
-        drafted = policy.should_draft(2)
+        drafted = row.drafts(2)
         pattern.append(int(drafted))
-        policy.record_round(drafted, 1, 1.0 if drafted else 0.1)
+        row.skip()
+        gate.record_step(1, drafted, 1, 1.0 if drafted else 0.1)
     # waits of 2, then 4 (capped) rounds, each followed by a re-measurement of REMEASURE_ROUNDS drafting rounds
     assert REMEASURE_ROUNDS == 2
     assert pattern == [0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0], pattern
     assert gate.realized_rate(1, True) == pytest.approx(1.0) and gate.realized_rate(1, False) == pytest.approx(10.0)
     for _ in range(40):  # drafting rounds now deliver 30 tokens/s
         gate.record_step(1, True, 3, 0.1)
-    assert not policy.should_draft(2)  # drafting wins, but the plain side is stale: one plain round re-measures it
-    policy.record_round(False, 1, 0.1)
-    assert policy.should_draft(2)
+    assert not row.drafts(2)  # drafting wins, but the plain side is stale: one plain round re-measures it
+    row.skip()
+    gate.record_step(1, False, 1, 0.1)
+    assert row.drafts(2)
     ungated = PrefixSchedulerPolicy(flat, online_correction=False)  # the default: no gate
-    ungated.set_realized_gate(RealizedGate())
-    for _ in range(3):
-        ungated.gate.record_step(1, True, 1, 1.0)
-        ungated.gate.record_step(1, False, 1, 0.1)
-    assert not ungated.uses_realized_gate and ungated.should_draft(2)
-    ungated.record_round(True, 1, 1.0)  # ignored without the gate
-    assert len(ungated.gate.realized[(1, True)]) == 3
+    assert not ungated.uses_realized_gate and OneRow(ungated, 2).planner.gate is None
     with pytest.raises(ValueError, match="explore_interval"):
         PrefixSchedulerPolicy(flat, explore_interval=8, max_explore_interval=4)
 
@@ -634,35 +688,36 @@ def test_policy_skip_decision_smooths_the_drafts_confidences():
     with ``confidence_smoothing=1`` (the last draft alone) it does. A run of unconfident drafts stops it either way."""
     sps = StepsPerSecond([1, 2, 3], [10.0, 8.0, 6.0])  # a draft pays when a_1 > 0.25
 
-    def feed(policy, values):
+    def feed(row, values):
         for value in values:
-            policy.num_to_verify(torch.tensor([value, 0.0]), 2)
-            policy.observe(0, 0)
+            row.plan = row.planner.plan([RowState(2, row.memory)], sps.table())._replace(drafting=[0])  # as a probe
+            row.verify(torch.tensor([value, 0.0]))
+            row.verdict(0, 0)
 
-    smooth, last = (PrefixSchedulerPolicy(sps, online_correction=False, confidence_smoothing=c) for c in (0.1, 1.0))
-    for policy in (smooth, last):
-        feed(policy, [0.8] * 10 + [0.1])
-    assert smooth.should_draft(2) and not last.should_draft(2)
+    smooth, last = (OneRow(PrefixSchedulerPolicy(sps, online_correction=False, confidence_smoothing=c), 2)
+                    for c in (0.1, 1.0))
+    for row in (smooth, last):
+        feed(row, [0.8] * 10 + [0.1])
+    assert smooth.drafts(2) and not last.drafts(2)
+    smooth.skip()
     feed(smooth, [0.1] * 20)
-    assert not smooth.should_draft(2)
+    assert not smooth.drafts(2)
     with pytest.raises(ValueError, match="confidence_smoothing"):
         PrefixSchedulerPolicy(sps, confidence_smoothing=0.0)
 
 
 def test_policy_online_correction_learns_overconfidence():
     sps = StepsPerSecond([1, 2, 3], [10.0, 8.0, 6.0])
-    policy = PrefixSchedulerPolicy(sps, skip_drafting=False)
+    row = OneRow(PrefixSchedulerPolicy(sps, skip_drafting=False), 2)
     conf = torch.tensor([0.6, 0.2])
-    assert policy.num_to_verify(conf, 2) == 1  # (1 + .6) * 8 = 12.8 > 10
+    assert row.round(conf) == 1  # (1 + .6) * 8 = 12.8 > 10
     for _ in range(40):  # verified one draft each time, never accepted
-        policy.num_to_verify(conf, 2)
-        policy.observe(1, 0)
-    assert policy.num_to_verify(conf, 2) == 0  # the learnt factor pulls a_1 below the break-even 0.25
-    plain = PrefixSchedulerPolicy(sps, online_correction=False, skip_drafting=False)
+        row.round(conf)
+    assert row.round(conf) == 0  # the learnt factor pulls a_1 below the break-even 0.25
+    plain = OneRow(PrefixSchedulerPolicy(sps, online_correction=False, skip_drafting=False), 2)
     for _ in range(40):
-        plain.num_to_verify(conf, 2)
-        plain.observe(1, 0)
-    assert plain.num_to_verify(conf, 2) == 1
+        plain.round(conf)
+    assert plain.round(conf) == 1
 
 
 def test_realized_gate_measures_drafting_on_representative_rounds_only():
@@ -746,7 +801,7 @@ def test_scheduler_prices_its_rounds_at_the_sequences_context():
     assert policy.num_to_verify(confidences, 4) > 0
     policy.set_context(7000)
     assert policy.num_to_verify(confidences, 4) == 0  # at 7k tokens verifying any draft costs more than it wins
-    assert policy._plain_rate == pytest.approx(sps.at_context(7000 // 128 * 128 + 64).steps_per_sec[0])
+    assert float(policy.sps_table()[1]) == pytest.approx(sps.at_context(7000 // 128 * 128 + 64).steps_per_sec[0])
     plain = PrefixSchedulerPolicy(StepsPerSecond([1, 2, 3, 4, 5], [10.0, 9.8, 9.6, 9.4, 9.2]),
                                   online_correction=False)
     plain.set_context(7000)  # a profile without a context model reads the same everywhere
