@@ -7,8 +7,9 @@ sampled. ``c_k`` is computed from ``h_k`` and ``x_{k-1}`` only, so a left-to-rig
 (fixed length, first-below-threshold cut, Algorithm 1 with its early stop); a search that looks at all positions and
 goes back (no early stop) does not.
 
-A policy decides for R rows at once (``verify_lengths``): ``generate()`` asks it for one row, the batched engine for
-all of its rows, and its name (``register_verification_policy``) selects it in both (``verification_policy`` in the
+A policy's rule gives lengths for R rows at once (``verify_lengths``); ``hf_dspark.planner.Planner`` applies it (and,
+for a policy priced by SPS, Algorithm 1 with its skip and pay-off rules) for ``generate()``'s one row and the batched
+engine's rows alike, and its name (``register_verification_policy``) selects it in both (``verification_policy`` in the
 drafter's generation config, ``DSparkEngine(policy=)``, ``bench --policies``, ``bench-serve --policies``).
 
 This file is self-contained (torch + its siblings ``draft_sources`` and ``gate``): exported drafter folders carry it in
@@ -325,6 +326,17 @@ def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
 SCHEDULES = ("padded", "prefix", "topk")
 
 
+def use_schedule_kernels(schedule_lengths) -> None:
+    """Run ``schedule_batch`` through ``schedule_lengths`` (``hf_dspark.kernels``: Triton on CUDA, these torch twins
+    elsewhere), registered by that package when it is imported (the engine imports it). Without it, as in an exported
+    folder, the torch twins here run; on a CPU both give the same lengths."""
+    global _SCHEDULE_LENGTHS
+    _SCHEDULE_LENGTHS = schedule_lengths
+
+
+_SCHEDULE_LENGTHS = None
+
+
 def capped_confidences(confidences: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
     """Zero the confidences of positions past each row's cap ([R, g], [R]): the schedulers never admit zero-survival
     entries, so no row is given more drafts than it may verify."""
@@ -348,9 +360,8 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
         raise ValueError("the top-K schedule needs a capacity")
     capped = capped_confidences(confidences, caps)
     table = None if sps_table is None else sps_table.to(capped.device)
-    try:
-        from .kernels import schedule_lengths
-    except ImportError:  # pragma: no cover - an exported folder: the torch twins
+    schedule_lengths = _SCHEDULE_LENGTHS
+    if schedule_lengths is None:  # the kernels not imported (an exported folder): the torch twins
         if schedule == "topk":
             return topk_schedule(capped, int(capacity))
         return (width_schedule if schedule == "padded" else prefix_schedule)(capped, table)
@@ -656,9 +667,9 @@ class HybridPolicy(PrefixSchedulerPolicy):
     (by default the prompt lookup: the continuation of the latest earlier occurrence of the sequence's last tokens,
     free to propose; ``draft_sources.DRAFT_SOURCES``).
 
-    Each round every source's offer is priced from its own confidences (the lookup's ``LookupSurvival``) as
-    Algorithm 1 prices the block's, by expected tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; the block is
-    priced from its smoothed past confidences and the drafter's measured time (as the scheduler's skip rule does);
+    Each round the planner prices every source's offer from its own confidences (the lookup's ``LookupSurvival``)
+    as Algorithm 1 prices the block's, by expected tokens per second ``(1 + sum_j a_j) * SPS(1 + l)``; at one row
+    the block is priced from its smoothed past confidences and the drafter's measured time (as the skip rule does);
     plain decoding at ``SPS(1)``. The best source drafts: a round an offer wins skips the drafter's forward (its
     context is still extended with the new target features, so the next block sees the whole sequence). Where
     nothing predicts the block yet, or a probe of it is due, a paying offer still goes first: the block is probed on

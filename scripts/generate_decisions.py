@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_decisions import DRAFTER, digest, import_package  # noqa: E402
 
 POLICIES = ("hybrid", "scheduler")
+# What generate() calls with one drafter and target share (``generation.realized_gate_for``, ``lookup_survival_for``).
+SHARED_ESTIMATES = ("_dspark_realized_gates", "_dspark_lookup_survival")
 
 
 class TickingClock:
@@ -48,6 +50,8 @@ def decision_trace(target, drafter, prompts: list[list[int]], profile: dict, pol
 
     config = drafter.generation_config
     config.verification_policy, config.sps_profile = policy, profile
+    for shared in SHARED_ESTIMATES:  # start them afresh: the trace must not depend on what ran before it
+        drafter.__dict__.pop(shared, None)
     rounds, outputs = [], []
     real_clock = time.perf_counter
     time.perf_counter = TickingClock(tick)

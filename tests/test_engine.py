@@ -794,7 +794,7 @@ def slow_catch_up(tiny_targets, monkeypatch):
         return flush(self, *args, **kwargs)
 
     monkeypatch.setattr(DeferredDrafterContext, "flush", slow_flush)
-    monkeypatch.setattr(Planner, "drafting_pays", lambda self, *args, **kwargs: True)
+    monkeypatch.setattr(Planner, "_pays", lambda self, *args, **kwargs: True)
     target = tiny_targets["llama"]
     return [p[:8] for p in in_distribution_prompts(target, 8) if len(p) >= 8][:4]
 

@@ -7,7 +7,7 @@ transformers' assisted generation serves one sequence at a time; here every step
    steps for rows about to finish, so that joiners share one prefill forward),
 2. proposes drafts: a free source's offer (prompt lookup, under the hybrid) where it pays, else a block from the
    drafter for the requests that will be verified (``DSparkDrafter`` forward + ``sample_block``, batched);
-   requests whose drafts are not expected to pay for the drafter's forward skip drafting (``decisions``),
+   requests whose drafts are not expected to pay for the drafter's forward skip drafting (``hf_dspark.planner``),
 3. schedules: a verification length per request from the verification policy ``EngineConfig.policy`` names (the registry
    ``generate()`` uses), for a policy priced by SPS from a shared budget over the profiled SPS(B) curve of the
    batch's verification tokens B: Algorithm 1 by width layers for the padded batch (the default), Algorithm 1 over
@@ -39,9 +39,9 @@ R * max(1 + l_r) tokens rather than sum(1 + l_r); the SPS(B) profile is measured
 tokens spread evenly over the requests (``hf_dspark.profiling.load_or_profile_batched``).
 
 This module holds the step loop (``DSparkEngine``) and the one-call API. The settings are ``config``'s
-(``EngineConfig``), requests and outputs ``requests``', the drafting decisions ``decisions``', the priced SPS tables
-``pricing``'s, the ragged caches ``cache``'s, verification and budget sharing ``verification``'s, admission
-``admission``'s.
+(``EngineConfig``), requests and outputs ``requests``', the drafting decisions ``hf_dspark.planner``'s (the same
+planner ``generate()`` runs, fed the engine's rows by ``planning``), the priced SPS tables ``pricing``'s, the ragged
+caches ``cache``'s, verification ``verification``'s, admission ``admission``'s.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from ..attention import packed_attention
 from ..clock import seconds_between, time_mark
 from ..draft_sources import Draft
 from ..generation import is_dspark_drafter
+from ..kernels import warm_scheduler_kernels  # importing it also routes schedule_batch through the kernels
 from ..policy_names import DEFAULT_POLICY
 from ..rollback import rollback_refusal
 from ..planner import Plan
@@ -142,8 +143,6 @@ class DSparkEngine:
         if scheduled and self.device.type == "cuda":
             # Compile the scheduler kernel variants this engine can launch in the background from now on: a step
             # whose variant is not ready yet schedules with the torch twin (the same lengths) instead of waiting.
-            from ..kernels import warm_scheduler_kernels
-
             warm_scheduler_kernels(self.device, config.max_concurrency or 64, self.block_size,
                                    kinds=schedule_kernel_kinds(config.schedule))
         self.prefill_cost = PrefillCost() if config.prefill_cost is None else config.prefill_cost

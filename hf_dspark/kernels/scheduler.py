@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..scheduling import prefix_schedule, topk_schedule, width_schedule
+from ..scheduling import prefix_schedule, topk_schedule, use_schedule_kernels, width_schedule
 
 try:
     import triton
@@ -317,3 +317,6 @@ def schedule_lengths(confidences: torch.Tensor, sps_table: torch.Tensor | None =
     if padded:
         return width_schedule(confidences, sps_table)
     return prefix_schedule(confidences, sps_table)
+
+
+use_schedule_kernels(schedule_lengths)  # schedule_batch (hf_dspark.scheduling) launches through it from now on
