@@ -15,8 +15,8 @@ Verification itself (greedy matching or rejection sampling, EOS / max-length cro
 committed round where any stopping criterion fires inside it (transformers checks the criteria only at the end of a
 round, so a stop string completed by an accepted draft would otherwise run on past it).
 
-This file is self-contained (torch + transformers + its siblings ``attention``, ``clock``, ``draft_sources``, ``gate``,
-``planner``, ``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
+This file is self-contained (torch + transformers + its siblings ``attention``, ``block_source``, ``clock``,
+``draft_sources``, ``gate``, ``planner``, ``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from transformers.generation.utils import GenerationMixin
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .attention import packed_attention
+    from .block_source import SequenceBlock
     from .clock import seconds_between, time_mark
     from .draft_sources import Draft, LookupSurvival
     from .gate import RealizedGate
@@ -48,6 +49,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
     from .stats import DSparkStats
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from attention import packed_attention  # type: ignore[no-redef]
+    from block_source import SequenceBlock  # type: ignore[no-redef]
     from clock import seconds_between, time_mark  # type: ignore[no-redef]
     from draft_sources import Draft, LookupSurvival  # type: ignore[no-redef]
     from gate import RealizedGate  # type: ignore[no-redef]
@@ -153,8 +155,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.memory = self.planner.new_memory()  # the sequence's confidence memory (policies priced by SPS)
         self._plan = None  # this round's plan and its block's confidences, kept until the verdict
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
-        self.static_round = _static_round_for(drafter, generation_config, logits_processor, self.do_sample)
-        self.cache = self.static_round if self.static_round is not None else drafter.new_context_cache()
+        # The drafter's block as a draft source for this one sequence: the eager or the static round (draft_round).
+        self.block = SequenceBlock(drafter, generation_config.max_length, logits_processor, self.do_sample)
         # Target features of verified positions not yet in the drafter's context: rounds that do not draft from the
         # block leave them here, and the next block draft appends them all in its own forward (one multi-position
         # context pass costs about what a one-position pass costs).
@@ -177,7 +179,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
-        new = input_ids.shape[1] - 1 - self.cache.length - self._unseen_length
+        new = input_ids.shape[1] - 1 - self.block.length - self._unseen_length
         hidden_states = getattr(model_outputs, "hidden_states", None)
         if hidden_states is None or any(hidden_states[i] is None for i in self.hidden_state_indices):
             raise ValueError("the target did not return the hidden states the DSpark drafter needs")
@@ -298,18 +300,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return candidates, draft.q[:, :verify]
 
     def _draft_block(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor) -> Draft:
-        """The drafter's block from the anchor (the static round where this call has one), timed for the policy."""
+        """The drafter's block from the anchor (``SequenceBlock``), timed for the planner."""
         started = self._stamp()
-        features = self._context_features(target_hidden)
-        anchor_position = input_ids.shape[1] - 1
-        if self.static_round is not None:
-            out = self.static_round.draft(input_ids[:, -1], anchor_position, features)
-        else:
-            out = self.drafter.draft(input_ids[:, -1], anchor_position, features, self.cache,
-                                     prefix_ids=input_ids[:, :-1], logits_processor=self.logits_processor,
-                                     do_sample=self.do_sample)
+        draft = self.block.propose(input_ids, self._context_features(target_hidden))
         self._time_draft(started, self._stamp())
-        return Draft(out.draft_ids, out.draft_logits, out.confidences, "block", out.confidence_logits)
+        return draft
 
     def _offer_candidates(self, input_ids, offer: Draft, verify: int, room: int):
         """A round drafted by a free source's offer (no drafter forward). With a fixed verification width it verifies
@@ -385,16 +380,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
 # ------------------------------------------------------------------------------------------------------------------
 # How a drafting round runs
 # ------------------------------------------------------------------------------------------------------------------
-# ``drafter.generation_config.draft_round``:
-#   "auto"   (default) on CUDA, a static round replayed from a CUDA graph where the round allows it (value-only
-#            logits processors; should the capture itself fail, a warning and the static round run eagerly);
-#            otherwise the eager round
-#   "eager"  the eager round: a growing context cache, every kernel launched from Python
-#   "static" the static round (fixed-shape buffers) run eagerly, on any device: the graph's computation without capture
-#   "graph"  the static round captured as a CUDA graph; an error where that is impossible
-DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
-# Context buffers are sized in steps of this many positions, so calls of similar lengths share one round (and graph).
-CAPACITY_STEP = 256
+# How a drafting round runs (``drafter.generation_config.draft_round``): ``block_source.DRAFT_ROUNDS``.
 
 
 # ``drafter.generation_config.verification_width``:
@@ -454,33 +440,6 @@ def verification_width_mode(drafter, records_graphs: bool) -> str:
     if mode == "auto":
         return "fixed" if records_graphs else "variable"
     return mode
-
-
-def draft_round_mode(drafter) -> str:
-    mode = getattr(drafter.generation_config, "draft_round", None) or "auto"
-    if mode not in DRAFT_ROUNDS:
-        raise ValueError(f"unknown draft_round {mode!r}; expected one of {list(DRAFT_ROUNDS)}")
-    return mode
-
-
-def _static_round_for(drafter, generation_config, logits_processor, do_sample: bool):
-    """The drafter's static round for this call, or None for the eager round (see ``DRAFT_ROUNDS``)."""
-    mode = draft_round_mode(drafter)
-    if mode == "eager":
-        return None
-    builder = getattr(drafter, "static_round", None)
-    cuda = drafter.device.type == "cuda"
-    if mode == "auto":
-        if not cuda or builder is None or drafter.static_round_obstacle(logits_processor, graph=True) is not None:
-            return None
-    elif builder is None:
-        raise ValueError(f"draft_round={mode!r}: this drafter's code has no static round (DSparkDrafter.static_round)")
-    # The anchor of a round is at most max_length - 2 and its window reaches block_size + 1 positions past the
-    # context, so max_length + block_size positions always suffice.
-    needed = generation_config.max_length + drafter.config.block_size
-    capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
-    return builder(capacity, processors=logits_processor, do_sample=do_sample, graph=mode in ("auto", "graph"),
-                   fallback=mode == "auto")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -755,9 +714,7 @@ def generate(model, *args, **kwargs):
 __all__ = [
     "DSparkCandidateGenerator",
     "DSparkRound",
-    "DRAFT_ROUNDS",
     "VERIFICATION_WIDTHS",
-    "draft_round_mode",
     "dspark_dispatch",
     "first_stop",
     "generate",

@@ -24,7 +24,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from hf_dspark.generation import _static_round_for
+from hf_dspark.block_source import static_round_for
 from hf_dspark.static_round import DSparkStaticRound
 from tests.helpers import make_drafter, make_target, random_prompts
 
@@ -214,11 +214,11 @@ def test_a_graph_refuses_what_reads_values_back_to_the_host(target, monkeypatch)
     config = copy.deepcopy(target.generation_config)
     config.max_length = 100
     monkeypatch.setattr(type(drafter), "device", property(lambda self: torch.device("cuda")))
-    assert _static_round_for(drafter, config, eta, True) is None  # auto on CUDA: the eager round
+    assert static_round_for(drafter, config.max_length, eta, True) is None  # auto on CUDA: the eager round
     monkeypatch.setattr(drafter.rotary_emb, "rope_type", "dynamic")
     assert "rope_type 'dynamic'" in drafter.static_round_obstacle(LogitsProcessorList(), graph=True)
     assert drafter.static_round_obstacle(LogitsProcessorList()) is None
-    assert _static_round_for(drafter, config, LogitsProcessorList(), False) is None
+    assert static_round_for(drafter, config.max_length, LogitsProcessorList(), False) is None
 
 
 def test_threads_get_their_own_round_and_copies_start_without_one(target):
@@ -270,18 +270,18 @@ def test_auto_takes_the_graph_on_cuda_only_where_the_round_allows(target, monkey
     drafter = make_drafter(target, block_size=4)
     config = copy.deepcopy(target.generation_config)
     config.max_length = 100
-    assert _static_round_for(drafter, config, LogitsProcessorList(), False) is None  # CPU: the eager round
+    assert static_round_for(drafter, config.max_length, LogitsProcessorList(), False) is None  # CPU: the eager round
     drafter.generation_config.draft_round = "static"
     try:
-        static = _static_round_for(drafter, config, LogitsProcessorList(), False)
+        static = static_round_for(drafter, config.max_length, LogitsProcessorList(), False)
         assert isinstance(static, DSparkStaticRound) and not static.graph and static.capacity == 256
     finally:
         drafter.generation_config.draft_round = "auto"
     monkeypatch.setattr(type(drafter), "device", property(lambda self: torch.device("cuda")))
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
-    assert _static_round_for(drafter, config, penalty, False) is None  # a processor that reads ids: eager
+    assert static_round_for(drafter, config.max_length, penalty, False) is None  # a processor that reads ids: eager
     with pytest.raises(ValueError, match="captures a CUDA graph"):  # otherwise the graph (weights here are on CPU)
-        _static_round_for(drafter, config, LogitsProcessorList(), False)
+        static_round_for(drafter, config.max_length, LogitsProcessorList(), False)
 
 
 class TracedGraph:
@@ -310,20 +310,20 @@ def traced_capture(self):
 def test_generate_replaying_a_traced_round_is_lossless(trained, monkeypatch):
     """The graph route end to end on CPU: generate() whose rounds are replays of one traced round (inputs copied
     into the static buffers, outputs cloned out of the captured ones) stays identical to plain greedy."""
-    import hf_dspark.generation as generation
+    import hf_dspark.block_source as block_source
 
     target, drafter = trained
     monkeypatch.setattr(DSparkStaticRound, "_capture", traced_capture)
     built = []
 
-    def graph_round(drafter, generation_config, logits_processor, do_sample):
+    def graph_round(drafter, max_length, logits_processor, do_sample):
         drafter.generation_config.draft_round = "static"
-        static = _static_round_for(drafter, generation_config, logits_processor, do_sample)
+        static = static_round_for(drafter, max_length, logits_processor, do_sample)
         static.graph = True
         built.append(static)
         return static
 
-    monkeypatch.setattr(generation, "_static_round_for", graph_round)
+    monkeypatch.setattr(block_source, "static_round_for", graph_round)
     replays = []
     try:
         for prompt in random_prompts(48, 8, target.config.vocab_size, seed=1)[:2]:
@@ -358,9 +358,9 @@ def test_a_failed_capture_under_auto_warns_and_drafts_eagerly(target, monkeypatc
 
 
 def test_the_cli_offers_every_draft_round():
-    from hf_dspark import cli, generation
+    from hf_dspark import block_source, cli
 
-    assert cli.DRAFT_ROUNDS == generation.DRAFT_ROUNDS
+    assert cli.DRAFT_ROUNDS == block_source.DRAFT_ROUNDS
     parser = cli.build_parser()
     assert parser.parse_args(["generate", "--draft-round", "static"]).draft_round == "static"
     with pytest.raises(SystemExit):

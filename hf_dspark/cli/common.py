@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # torch loads where a command runs, not while its flags are r
     import torch
 
 DType = Literal["bfloat16", "float16", "float32"]
-# generation.DRAFT_ROUNDS, spelled out so that building the parser does not import generation (a test keeps them equal)
+# block_source.DRAFT_ROUNDS, spelled out so that building the parser does not import torch (a test keeps them equal)
 DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
 DraftRound = Literal["auto", "eager", "static", "graph"]
 DRAFT_ROUND_HELP = ("how a drafting round runs: auto (a CUDA graph on CUDA where the round allows it, else eager) | "

@@ -56,6 +56,7 @@ import torch
 from transformers import DynamicCache, StoppingCriteriaList, StopStringCriteria
 
 from ..attention import packed_attention
+from ..block_source import BatchedBlock
 from ..clock import seconds_between, time_mark
 from ..draft_sources import Draft
 from ..generation import is_dspark_drafter
@@ -127,6 +128,7 @@ class DSparkEngine:
         self.device = next(target.parameters()).device
         self.layout = layout
         self.drafter, self.block_size, self._taps = None, 0, []  # _taps: target hidden_states the drafter reads
+        self.block_source: BatchedBlock | None = None  # the drafter's block as a draft source for R rows
         policy = None if config.policy == PLAIN else self._attach(drafter)
         # Drafter, verify and whole-step timings (possibly shared with other engines on the same hardware)
         self.measurements = EngineMeasurements() if config.measurements is None else config.measurements
@@ -170,6 +172,7 @@ class DSparkEngine:
                              f"use policy='fixed'")
         self.drafter = drafter
         self.block_size = drafter.config.block_size
+        self.block_source = BatchedBlock(drafter)
         self._taps = drafter.target_hidden_states_indices()
         return policy
 
@@ -590,41 +593,17 @@ class DSparkEngine:
     # Drafting a block: one batched drafter forward
     # --------------------------------------------------------------------------------------------------------------
     def _draft(self, rows: list[int]) -> Draft:
-        """One batched drafter forward over the drafting rows' blocks ``[anchor, mask * (g - 1)]`` against their
-        context caches, then left-to-right sampling per group of equal sampling parameters."""
-        drafter, g = self.drafter, self.block_size
+        """The drafting rows' blocks (``BatchedBlock``: one drafter forward against their context caches, then
+        left-to-right sampling per group of equal sampling parameters, each group with its random numbers)."""
+        requests = [self.batch.rows[i] for i in rows]
         context, valid = self.batch.context.rows_view(rows)  # _propose flushed the rows' pending features
-        anchors = torch.tensor([self.batch.rows[i].anchor for i in rows], device=self.device)
-        positions = torch.tensor([self.batch.rows[i].length for i in rows], device=self.device)[:, None] + torch.arange(
-            g, device=self.device)
-        block = torch.full((len(rows), g), drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = anchors
-        # The block sees its row's valid context columns and the whole block (DSpark's non-causal block).
-        mask = torch.cat([valid, valid.new_ones(len(rows), g)], dim=1)[:, None, None, :].expand(-1, 1, g, -1)
-        out = drafter(input_ids=block, position_ids=positions, cache=context, attention_mask=mask)
-        ids = torch.empty(len(rows), g, dtype=torch.long, device=self.device)
-        logits = confidences = confidence_logits = None
-        for key, members in sampling_groups([self.batch.rows[i].params for i in rows]).items():
-            params = self.batch.rows[rows[members[0]]].params
-            sel = torch.tensor(members, device=self.device)
-            draft = drafter.sample_block(out.logits.index_select(0, sel), out.hidden_states.index_select(0, sel),
-                                         anchors.index_select(0, sel), logits_processor=params.warpers(),
-                                         do_sample=params.do_sample,
-                                         generator=self._generator(self.batch.rows[rows[members[0]]]))
-            ids[sel] = draft.draft_ids
-            if params.do_sample:
-                if logits is None:
-                    logits = draft.draft_logits.new_zeros(len(rows), g, draft.draft_logits.shape[-1])
-                logits[sel] = draft.draft_logits.float()
-            if draft.confidences is not None:
-                if confidences is None:
-                    confidences = draft.confidences.new_zeros(len(rows), g)
-                confidences[sel] = draft.confidences
-            if draft.confidence_logits is not None:
-                if confidence_logits is None:
-                    confidence_logits = draft.confidence_logits.new_zeros(len(rows), g)
-                confidence_logits[sel] = draft.confidence_logits
-        return Draft(ids, logits, confidences, "block", confidence_logits)
+        anchors = torch.tensor([request.anchor for request in requests], device=self.device)
+        positions = torch.tensor([request.length for request in requests], device=self.device)
+        groups = []
+        for members in sampling_groups([request.params for request in requests]).values():
+            first = requests[members[0]]
+            groups.append((members, first.params.warpers(), first.params.do_sample, self._generator(first)))
+        return self.block_source.propose(anchors, positions, context, valid, groups)
 
     # --------------------------------------------------------------------------------------------------------------
     # Verification: one padded target forward over every request's block
