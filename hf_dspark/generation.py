@@ -40,24 +40,23 @@ from transformers.generation.utils import GenerationMixin
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .attention import packed_attention
     from .block_source import SequenceBlock
-    from .clock import seconds_between, time_mark
+    from .clock import RoundClock
     from .draft_sources import Draft, LookupSurvival
     from .gate import RealizedGate
     from .planner import Planner, RowState
     from .rollback import rollback_refusal
-    from .scheduling import VerificationPolicy, ema, lookup_max_tokens, policy_from_generation_config
+    from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
     from .stats import DSparkStats
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from attention import packed_attention  # type: ignore[no-redef]
     from block_source import SequenceBlock  # type: ignore[no-redef]
-    from clock import seconds_between, time_mark  # type: ignore[no-redef]
+    from clock import RoundClock  # type: ignore[no-redef]
     from draft_sources import Draft, LookupSurvival  # type: ignore[no-redef]
     from gate import RealizedGate  # type: ignore[no-redef]
     from planner import Planner, RowState  # type: ignore[no-redef]
     from rollback import rollback_refusal  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         VerificationPolicy,
-        ema,
         lookup_max_tokens,
         policy_from_generation_config,
     )
@@ -151,7 +150,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
         self.planner = generate_planner(self.policy, self.block_size,
                                     realized_gate_for(drafter, target) if self.policy.uses_realized_gate else None,
-                                    lambda rows: self._draft_seconds)
+                                    lambda rows: self.clock.draft_seconds)
         self.memory = self.planner.new_memory()  # the sequence's confidence memory (policies priced by SPS)
         self._plan = None  # this round's plan and its block's confidences, kept until the verdict
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -166,15 +165,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drafter.last_stats = self.stats
         self.round_callback: Callable[[DSparkRound], None] | None = getattr(drafter, "round_callback", None)
         self._pending_round: _PendingRound | None = None
-        self._draft_seconds: float | None = None  # drafter time per round (moving average), for policies
-        # Whole-round timing for the realized gate: a round runs from one get_candidates call to the next (drafter,
-        # target forward, acceptance and the assisted loop's bookkeeping); the prefill round is left out.
-        self._round_started: float | None = None
-        self._finished_round: tuple[bool, int] | None = None  # (speculated, tokens emitted) of the round just verified
-        self._cuda = target.device.type == "cuda"
+        self.clock = RoundClock(target.device)  # the drafter's time, whole rounds, the stats' marks
         self._target = target
-        self._stamps: tuple[Any, Any] | None = None  # this round's drafting start and end, for ``time_split``
-        self._draft_events: tuple[Any, Any] | None = None  # CUDA: the last drafter call's events, read next round
         self.fixed_width: bool | None = None  # decided at the prefill round, from the target's cache
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
@@ -227,43 +219,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
             graphs = verification_records_graphs(self._target, passed, self.generation_config)
             self.fixed_width = verification_width_mode(self.drafter, graphs) == "fixed"
             return input_ids, None  # the prefill forward produces the first anchor and the context features
-        started = self._stamp()
+        started = self.clock.mark()
         proposal = self._propose(input_ids, model_outputs)
-        self._stamps = (started, self._stamp())
+        self.clock.marks = (started, self.clock.mark())
         return proposal
-
-    def _stamp(self) -> Any:
-        """A point in time on the target's device (``time_mark``), for ``DSparkStats.time_split`` and drafting time."""
-        return time_mark(self._target.device)
-
-    def _time_draft(self, started: Any, ended: Any) -> None:
-        """Fold one drafter call into ``_draft_seconds`` (a moving average the policies weigh drafting by). On CUDA
-        the call returns before its kernels finish, so its events are read at the next round, once verification
-        has synchronised; an event not yet reached then is skipped rather than waited for."""
-        if self._cuda:
-            self._draft_events = (started, ended)
-            return
-        self._fold_draft_seconds(seconds_between(started, ended))
-
-    def _collect_draft_time(self) -> None:
-        """CUDA: fold the last drafter call's event time in, if its kernels have finished."""
-        if self._draft_events is not None:
-            started, ended = self._draft_events
-            self._draft_events = None
-            if ended.query():
-                self._fold_draft_seconds(seconds_between(started, ended))
-
-    def _fold_draft_seconds(self, seconds: float) -> None:
-        self._draft_seconds = ema(self._draft_seconds, seconds)
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
         """This round's candidates: the input plus the drafts to verify, and their logits (None for greedy lookup).
         The planner decides the source and the length from this one row's state."""
-        self._collect_draft_time()
-        now = time.perf_counter()
-        if self._round_started is not None and self._finished_round is not None and self.planner.gate is not None:
-            self.planner.gate.record_step(1, *self._finished_round, now - self._round_started)
-        self._round_started, self._finished_round = now, None
+        ended = self.clock.next_round()
+        if ended is not None and self.planner.gate is not None:
+            self.planner.gate.record_step(1, *ended)
         target_hidden = self._new_target_hidden(input_ids, model_outputs)
         self.policy.set_context(input_ids.shape[1])
         room = self.max_length - input_ids.shape[1] - 1
@@ -301,9 +267,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
     def _draft_block(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor) -> Draft:
         """The drafter's block from the anchor (``SequenceBlock``), timed for the planner."""
-        started = self._stamp()
+        started = self.clock.mark()
         draft = self.block.propose(input_ids, self._context_features(target_hidden))
-        self._time_draft(started, self._stamp())
+        self.clock.drafted(started, self.clock.mark())
         return draft
 
     def _offer_candidates(self, input_ids, offer: Draft, verify: int, room: int):
@@ -350,17 +316,17 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.planner.observe(plan, confidences, [planned if plan.drafting else verified], [accepted])
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
-        verdict = self._stamp() if self._stamps is not None else None
+        verdict = self.clock.mark() if self.clock.marks is not None else None
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
         drafted, verified, confidences, confidence_logits, draft_ids, source, offer, offer_tokens = self._pending_round
         accepted = int(num_matches)
-        self._finished_round = (source != "none", accepted + 1)
+        self.clock.verdict(source != "none", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
         if verdict is not None:
-            self.stats.add_stamps(*self._stamps, verdict)
-            self._stamps = None
+            self.stats.add_stamps(*self.clock.marks, verdict)
+            self.clock.marks = None
         if offer is not None:  # the offer's own tokens only: a fixed width's pad says nothing about its source
             self.planner.observe_offer(offer, offer_tokens, min(accepted, offer_tokens))
         self._observe_plan(verified, accepted)

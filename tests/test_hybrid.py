@@ -311,17 +311,19 @@ def test_drafting_time_on_cuda_comes_from_events_read_after_verification(tiny_ta
     config = copy.deepcopy(target.generation_config)
     config.max_length = 64
     generator = DSparkCandidateGenerator(drafter, target, config)
-    generator._cuda = True
-    generator._time_draft(_Event(1.0), _Event(1.004))
-    assert generator._draft_seconds is None  # nothing read while the round's kernels may still run
-    generator._collect_draft_time()
-    assert generator._draft_seconds == pytest.approx(0.004)
-    generator._time_draft(_Event(2.0), _Event(2.014, done=False))
-    generator._collect_draft_time()
-    assert generator._draft_seconds == pytest.approx(0.004) and generator._draft_events is None
-    generator._time_draft(_Event(3.0), _Event(3.014))
-    generator._collect_draft_time()
-    assert generator._draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.014)
-    generator._cuda = False  # CPU: host time, folded at once
-    generator._time_draft(10.0, 10.002)
-    assert generator._draft_seconds == pytest.approx(0.7 * (0.7 * 0.004 + 0.3 * 0.014) + 0.3 * 0.002)
+    clock = generator.clock
+    assert generator.planner.draft_cost(1) is None  # the planner reads the clock's drafter time
+    clock.device = torch.device("cuda")
+    clock.drafted(_Event(1.0), _Event(1.004))
+    assert clock.draft_seconds is None  # nothing read while the round's kernels may still run
+    clock.next_round()
+    assert clock.draft_seconds == pytest.approx(0.004) and generator.planner.draft_cost(1) == clock.draft_seconds
+    clock.drafted(_Event(2.0), _Event(2.014, done=False))
+    clock.next_round()
+    assert clock.draft_seconds == pytest.approx(0.004) and clock._draft_events is None
+    clock.drafted(_Event(3.0), _Event(3.014))
+    clock.next_round()
+    assert clock.draft_seconds == pytest.approx(0.7 * 0.004 + 0.3 * 0.014)
+    clock.device = torch.device("cpu")  # CPU: host time, folded at once
+    clock.drafted(10.0, 10.002)
+    assert clock.draft_seconds == pytest.approx(0.7 * (0.7 * 0.004 + 0.3 * 0.014) + 0.3 * 0.002)

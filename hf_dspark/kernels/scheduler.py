@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ..scheduling import prefix_schedule, topk_schedule, use_schedule_kernels, width_schedule
+from ..budget import prefix_schedule, topk_schedule, use_schedule_kernels, width_schedule
 
 try:
     import triton
