@@ -411,9 +411,9 @@ def verification_width_mode(drafter, records_graphs: bool) -> str:
 # ------------------------------------------------------------------------------------------------------------------
 # Stopping criteria inside a round
 # ------------------------------------------------------------------------------------------------------------------
-# generate() builds its stopping criteria (``_get_stopping_criteria``) before it builds the candidate generator, and
-# hands them to the decoding loop only; the dispatch records the list here (a weak reference: nothing outlives the
-# call) so the DSpark generator can check its drafts against the same criteria.
+# transformers hands the stopping criteria to the decoding loop (``_assisted_decoding``), not to the candidate
+# generator it builds there; the dispatch's ``_assisted_decoding`` records the list here for the duration of the loop
+# (a weak reference: nothing outlives the call) so the DSpark generator can check its drafts against the same criteria.
 _STOPPING_CRITERIA: contextvars.ContextVar[weakref.ref | None] = contextvars.ContextVar(
     "hf_dspark_stopping_criteria", default=None
 )
@@ -600,14 +600,22 @@ def _dspark_get_candidate_generator(
 def _dspark_assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
                               synced_gpus=False, streamer=None, inputs_tensor=None, assistant_model=None, **kwargs):
     """transformers' assisted decoding; with a DSpark drafter its target forwards run under ``packed_attention``
-    (a verification forward reads a grouped-query cache in place instead of copying it per query head)."""
+    (a verification forward reads a grouped-query cache in place instead of copying it per query head), the
+    generator sees the loop's stopping criteria, and the cached SPS profile is checked against the call's rounds."""
     original = _original(GenerationMixin, "_assisted_decoding")
-    dspark = is_dspark_drafter(assistant_model)
-    with packed_attention(self) if dspark else contextlib.nullcontext():
-        out = original(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                       synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
-                       assistant_model=assistant_model, **kwargs)
-    if (dspark and getattr(assistant_model.generation_config, "sps_profile", None) is None
+    if not is_dspark_drafter(assistant_model):
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                        synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+                        assistant_model=assistant_model, **kwargs)
+    token = _STOPPING_CRITERIA.set(weakref.ref(stopping_criteria))
+    try:
+        with packed_attention(self):
+            out = original(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                           synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
+                           assistant_model=assistant_model, **kwargs)
+    finally:
+        _STOPPING_CRITERIA.reset(token)
+    if (getattr(assistant_model.generation_config, "sps_profile", None) is None
             and getattr(assistant_model, "last_stats", None) is not None):
         _check_cached_profile(self, assistant_model.last_stats, input_ids.shape[1])
     return out
@@ -625,16 +633,16 @@ def _check_cached_profile(target, stats, prompt_length: int) -> None:
         logging.getLogger(__name__).warning("could not check the cached SPS profile against this call: %s", err)
 
 
-def _dspark_get_stopping_criteria(self, *args, **kwargs):
-    criteria = _original(GenerationMixin, "_get_stopping_criteria")(self, *args, **kwargs)
-    _STOPPING_CRITERIA.set(weakref.ref(criteria))
-    return criteria
-
-
+# The smallest hook that works: three of GenerationMixin's methods, each passing every other assistant through.
+#   _get_candidate_generator   the hook itself: a DSpark drafter gets a DSparkCandidateGenerator (transformers builds
+#                              its own generators there, and has no registry for new ones)
+#   _assisted_decoding         around the loop, which only it spans: packed attention for the verification forwards,
+#                              the stopping criteria for the generator (handed to the loop only), the profile check
+#   _validate_generation_mode  refusals before anything runs: under beam search transformers would never build a
+#                              candidate generator and would drop the drafter silently
 _PATCHES = {
     "_assisted_decoding": _dspark_assisted_decoding,
     "_get_candidate_generator": _dspark_get_candidate_generator,
-    "_get_stopping_criteria": _dspark_get_stopping_criteria,
     "_validate_generation_mode": _dspark_validate_generation_mode,
 }
 _ORIGINAL_PREFIX = "_hf_dspark_original"
