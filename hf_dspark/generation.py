@@ -28,7 +28,6 @@ import time
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +45,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
     from .planner import Planner, RowState
     from .rollback import rollback_refusal
     from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
-    from .stats import DSparkStats
+    from .stats import DSparkRound, DSparkStats, stats_lists
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from attention import packed_attention  # type: ignore[no-redef]
     from block_source import SequenceBlock  # type: ignore[no-redef]
@@ -60,7 +59,7 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
         lookup_max_tokens,
         policy_from_generation_config,
     )
-    from stats import DSparkStats  # type: ignore[no-redef]
+    from stats import DSparkRound, DSparkStats, stats_lists  # type: ignore[no-redef]
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -81,23 +80,6 @@ class _PendingRound(NamedTuple):
     source: str = "none"
     offer: Draft | None = None  # rounds drafted by a free source: its offer
     offer_tokens: int = 0  # of the verified tokens, those the offer drafted (not a fixed width's pad)
-
-
-@dataclass
-class DSparkRound:
-    """One verification round as seen live by ``drafter.round_callback`` (optional, for observers such as the demo).
-
-    Set ``drafter.round_callback = fn`` before ``generate``; ``fn(round)`` then runs after each round's verification,
-    in the generating thread. It only observes: drafting and verification are the same with or without it.
-    """
-
-    index: int
-    draft_ids: list[int]  # the whole drafted block; [] when nothing fit in the length budget
-    verified: int  # leading drafts the target verified (the policy's choice)
-    accepted: int  # leading verified drafts the target accepted
-    emitted_ids: list[int]  # tokens the round appended: the accepted drafts, then the target's own token
-    confidences: list[float] | None  # c_1..c_g of the block (None: no confidence head, or nothing drafted)
-    source: str = "block"  # "block" (the drafter), "lookup" (prompt lookup) or "none"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -256,7 +238,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if self.fixed_width:
             verify = plan.caps[0]  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
         confidences = None if draft.confidences is None else draft.confidences[0]
-        listed, raw = _stats_lists(confidences, draft.confidence_logits)
+        listed, raw = stats_lists(confidences, draft.confidence_logits)
         self._pending_round = _PendingRound(self.block_size, verify, listed, raw, draft.token_ids, source="block")
         if verify == 0:
             return input_ids, None
@@ -429,16 +411,6 @@ def in_round_stopping_criteria(criteria) -> StoppingCriteriaList | None:
     everything but the length limit and EOS (the loop crops at both itself). None when nothing is left."""
     kept = [c for c in (criteria or []) if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
     return StoppingCriteriaList(kept) if kept else None
-
-
-def _stats_lists(confidences: torch.Tensor | None, logits: torch.Tensor | None) -> tuple[list | None, list | None]:
-    """A block's calibrated confidences [g] and raw confidence logits [1, g] as Python lists for the round's stats,
-    read back in one transfer."""
-    if confidences is None or logits is None:
-        return (None if confidences is None else confidences.tolist(),
-                None if logits is None else logits[0].tolist())
-    listed, raw = torch.stack([confidences.float(), logits[0].float()]).tolist()  # float32 holds either exactly
-    return listed, raw
 
 
 def first_stop(criteria, candidates: torch.LongTensor, length: int) -> int | None:

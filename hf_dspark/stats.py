@@ -1,5 +1,6 @@
 """Per-round statistics: ``DSparkStats`` (one ``generate`` call's rounds, ``drafter.last_stats``, and each engine
-request's), and ``totals_by_source``, the per-source sums it and the evaluation's rollouts report.
+request's), ``DSparkRound`` (one round as a ``round_callback`` sees it), and ``totals_by_source``, the per-source
+sums it and the evaluation's rollouts report.
 
 This file is self-contained (torch + its sibling ``clock``): exported drafter folders carry it in ``custom_generate/``.
 """
@@ -26,6 +27,33 @@ def totals_by_source(sources: list[str], **per_round: list[int]) -> dict[str, di
         for name, counts in per_round.items():
             row[name] += counts[i]
     return out
+
+
+@dataclass
+class DSparkRound:
+    """One verification round as seen live by ``drafter.round_callback`` (optional, for observers such as the demo).
+
+    Set ``drafter.round_callback = fn`` before ``generate``; ``fn(round)`` then runs after each round's verification,
+    in the generating thread. It only observes: drafting and verification are the same with or without it.
+    """
+
+    index: int
+    draft_ids: list[int]  # the whole drafted block; [] when nothing fit in the length budget
+    verified: int  # leading drafts the target verified (the policy's choice)
+    accepted: int  # leading verified drafts the target accepted
+    emitted_ids: list[int]  # tokens the round appended: the accepted drafts, then the target's own token
+    confidences: list[float] | None  # c_1..c_g of the block (None: no confidence head, or nothing drafted)
+    source: str = "block"  # "block" (the drafter), "lookup" (prompt lookup) or "none"
+
+
+def stats_lists(confidences: torch.Tensor | None, logits: torch.Tensor | None) -> tuple[list | None, list | None]:
+    """A block's calibrated confidences [g] and raw confidence logits [1, g] as Python lists for the round's stats,
+    read back in one transfer."""
+    if confidences is None or logits is None:
+        return (None if confidences is None else confidences.tolist(),
+                None if logits is None else logits[0].tolist())
+    listed, raw = torch.stack([confidences.float(), logits[0].float()]).tolist()  # float32 holds either exactly
+    return listed, raw
 
 
 @dataclass
@@ -135,4 +163,4 @@ class DSparkStats:
         )
 
 
-__all__ = ["DSparkStats", "totals_by_source"]
+__all__ = ["DSparkRound", "DSparkStats", "stats_lists", "totals_by_source"]

@@ -80,6 +80,7 @@ from .requests import (
     SamplingParams,
     TokenEvent,
     batch_progress,
+    checked_prompt,
     per_request,
     sampling_groups,
 )
@@ -195,7 +196,7 @@ class DSparkEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        prompt_ids = self._checked_prompt(prompt_ids, params, request_id)
+        prompt_ids = checked_prompt(prompt_ids, params, request_id, self.target.config.get_text_config())
         stop = self._stopping_criteria(params, request_id)
         self._ids.add(request_id)
         eos = self._default_eos if params.eos_token_id is None else frozenset(
@@ -204,33 +205,6 @@ class DSparkEngine:
         self._waiting.append(Request(request_id, prompt_ids, params, eos, DSparkStats(block_size=self.block_size),
                                      arrival_s=self._now(), stop=stop, generator=generator))
         return request_id
-
-    def _checked_prompt(self, prompt_ids, params: SamplingParams, request_id: str) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
-                prompt_ids = prompt_ids[0]
-            if prompt_ids.dim() != 1:
-                raise ValueError(f"request {request_id!r}: a prompt must be one sequence of token ids, got shape "
-                                 f"{tuple(prompt_ids.shape)}")
-            if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
-                raise ValueError(f"request {request_id!r}: token ids must be integers, got a {prompt_ids.dtype} tensor")
-            prompt_ids = prompt_ids.tolist()
-        prompt_ids = list(prompt_ids)
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: empty prompt: a request needs at least one token")
-        bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)), None)
-        if bad is not None:
-            raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}")
-        vocab = self.target.config.get_text_config().vocab_size
-        outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if outside is not None:
-            raise ValueError(f"request {request_id!r}: token id {outside} is outside the target's vocabulary "
-                             f"[0, {vocab})")
-        context = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        if context is not None and len(prompt_ids) + params.max_new_tokens > context:
-            raise ValueError(f"request {request_id!r}: a {len(prompt_ids)}-token prompt plus max_new_tokens="
-                             f"{params.max_new_tokens} passes the target's context of {context} tokens")
-        return prompt_ids
 
     def abort_request(self, request_id: str) -> bool:
         """End a waiting or running request now (``finish_reason="abort"``), freeing its slot; False if it had

@@ -297,6 +297,37 @@ def batch_progress(remaining: Sequence[int], emitted: Sequence[int]) -> int:
     return len(remaining) * (max(remaining) - max(left - new for left, new in zip(remaining, emitted)))
 
 
+def checked_prompt(prompt_ids, params: SamplingParams, request_id: str, text_config) -> list[int]:
+    """A request's prompt as a list of token ids, or a ``ValueError`` naming the request and the problem: one
+    sequence of integer ids inside the vocabulary of ``text_config`` (the target's), the prompt plus
+    ``max_new_tokens`` within its context."""
+    if isinstance(prompt_ids, torch.Tensor):
+        if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+            prompt_ids = prompt_ids[0]
+        if prompt_ids.dim() != 1:
+            raise ValueError(f"request {request_id!r}: a prompt must be one sequence of token ids, got shape "
+                             f"{tuple(prompt_ids.shape)}")
+        if prompt_ids.dtype.is_floating_point or prompt_ids.dtype.is_complex or prompt_ids.dtype == torch.bool:
+            raise ValueError(f"request {request_id!r}: token ids must be integers, got a {prompt_ids.dtype} tensor")
+        prompt_ids = prompt_ids.tolist()
+    prompt_ids = list(prompt_ids)
+    if not prompt_ids:
+        raise ValueError(f"request {request_id!r}: empty prompt: a request needs at least one token")
+    bad = next((t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)), None)
+    if bad is not None:
+        raise ValueError(f"request {request_id!r}: token ids must be integers, got {bad!r}")
+    vocab = text_config.vocab_size
+    outside = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if outside is not None:
+        raise ValueError(f"request {request_id!r}: token id {outside} is outside the target's vocabulary "
+                         f"[0, {vocab})")
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is not None and len(prompt_ids) + params.max_new_tokens > context:
+        raise ValueError(f"request {request_id!r}: a {len(prompt_ids)}-token prompt plus max_new_tokens="
+                         f"{params.max_new_tokens} passes the target's context of {context} tokens")
+    return prompt_ids
+
+
 def sampling_groups(params: Sequence[SamplingParams]) -> dict[tuple, list[int]]:
     """Rows with equal sampling parameters, by ``group_key`` (each group drafts and verifies in one call)."""
     groups: dict[tuple, list[int]] = {}
