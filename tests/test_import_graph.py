@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
 
 # docs/layout.md, "Direction of dependencies": model <- generation <- engine <- jobs <- cli (prefixes of module names).
 LAYERS = {
-    "model": ["configuration_dspark", "modeling_dspark", "draft_sampling", "static_round", "drafter_files", "rollback",
-              "clock", "stats", "draft_sources", "gate", "budget", "scheduling", "planner", "block_source", "policy_names", "attention",
-              "kernels"],
+    "model": ["configuration_dspark", "modeling_dspark", "heads", "draft_sampling", "static_round", "drafter_files",
+              "rollback", "clock", "stats", "draft_sources", "gate", "budget", "scheduling", "planner", "block_source",
+              "policy_names", "attention", "kernels"],
     "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator", "onednn",
                    "optimization", "machine_load", "cpu_features"],
     "engine": ["engine"],
