@@ -22,7 +22,7 @@ folders carry it in ``custom_generate/``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +37,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
         drafting_pays,
         dynamic_topk_capacity,
         expected_round,
+        on_host,
         schedule_batch,
     )
 except ImportError:  # pragma: no cover - loaded as a top-level module
@@ -50,6 +51,7 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
         drafting_pays,
         dynamic_topk_capacity,
         expected_round,
+        on_host,
         schedule_batch,
     )
 
@@ -206,7 +208,7 @@ class Planner:
     def _offer_rate(self, offer: Draft, table: torch.Tensor) -> float:
         """Expected tokens per second of verifying ``offer`` alone: Algorithm 1's length over its confidences, 0
         where it gives none."""
-        confidences = _on_host(offer.confidences.float())
+        confidences = on_host(offer.confidences.float())
         length = int(schedule_batch(confidences, torch.tensor([offer.num_tokens]), table, "prefix")[0])
         if length == 0:
             return 0.0
@@ -221,7 +223,7 @@ class Planner:
         memory = row.memory
         if cost is None or memory is None or memory.smoothed is None or memory.probe_due:
             return False
-        tokens, seconds = expected_round(_on_host(offer.confidences.float()), [length], table)
+        tokens, seconds = expected_round(on_host(offer.confidences.float()), [length], table)
         stale_plan = Plan([cap], True, {}, [], None, [memory])
         prediction = self._stale_prediction(stale_plan, [cap], torch.tensor([cap], device=self.device), table)
         if prediction[2][0] == 0:
@@ -352,7 +354,7 @@ class Planner:
         are known; ``smoothed``: the moving average of its drafts' confidences instead (the skip decisions)."""
         values = [None if memory is None else memory.smoothed if smoothed else memory.last for memory in memories]
         known = [value is not None for value in values]
-        stale = torch.stack([_on_host(value.float()) if value is not None else torch.zeros(self.block_size)
+        stale = torch.stack([on_host(value.float()) if value is not None else torch.zeros(self.block_size)
                              for value in values])
         return self._corrected(stale).to(self.device), known
 
@@ -445,7 +447,7 @@ class Planner:
         """After verification: each row's confidence memory (a block round, or a round without one), and the
         survival correction's record of what the verified prefixes of the block delivered."""
         block_row = {i: k for k, i in enumerate(plan.drafting)}
-        confidences = None if block_confidences is None else _on_host(block_confidences.detach().float())
+        confidences = None if block_confidences is None else on_host(block_confidences.detach().float())
         for i, memory in enumerate(plan.memories):
             if memory is None:
                 continue
@@ -458,11 +460,6 @@ class Planner:
             index = torch.tensor(plan.drafting)  # raw survivals: the factors map the drafter's own to the observed
             self.correction.observe(capped_confidences(confidences, torch.tensor(plan.caps)[index]),
                                     torch.tensor(lengths)[index], torch.tensor(accepted)[index])
-
-
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the CPU: a copy from an accelerator, the tensor itself when it is there already."""
-    return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
 __all__ = ["Plan", "Planner", "RowState", "SKIP_REASONS"]

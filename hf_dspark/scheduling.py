@@ -191,15 +191,15 @@ class OnlineSurvivalCorrection:
 
     def observe(self, confidences: torch.Tensor, lengths: torch.Tensor, accepted: torch.Tensor) -> None:
         """Record one step: scheduled conditionals [D, g], verified lengths [D] and accepted drafts [D]."""
-        survival = _host(torch.cumprod(confidences.double().clamp(0, 1), dim=-1))
+        survival = on_host(torch.cumprod(confidences.double().clamp(0, 1), dim=-1))
         k = torch.arange(survival.shape[1])
-        verified = k < _host(lengths)[:, None]
+        verified = k < on_host(lengths)[:, None]
         # new tensors (not in place): ``factors`` keeps its result while these are the same objects
         self.predicted = self.predicted + (survival * verified).sum(dim=0)
-        self.accepted = self.accepted + ((k < _host(accepted)[:, None]) & verified).sum(dim=0)
+        self.accepted = self.accepted + ((k < on_host(accepted)[:, None]) & verified).sum(dim=0)
 
 
-def _host(tensor: torch.Tensor) -> torch.Tensor:
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the CPU: a copy from an accelerator, the tensor itself when it is there already."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
@@ -512,6 +512,7 @@ def policy_from_generation_config(generation_config: Any, block_size: int, has_c
 
 
 __all__ = [
+    "on_host",
     "ConfidenceMemory",
     "ConfidenceThresholdPolicy",
     "build_policy",
