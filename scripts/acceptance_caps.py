@@ -53,8 +53,10 @@ def sample(data_dirs: list[str], count: int, max_length: int, seed: int) -> list
 
 
 @torch.no_grad()
-def block_records(target, drafter, batch: dict, num_anchors: int, generator: torch.Generator) -> dict:
-    """Per block of one batch: target top-2 and the drafter's greedy token at every position, validity, offsets."""
+def teacher_forced_blocks(target, drafter, batch: dict, num_anchors: int, generator: torch.Generator):
+    """One batch's target forward, its anchors and blocks (the trainer's construction), and the drafter's forward
+    over every block from the target's features up to its anchor: ``(target output, anchors, blocks, drafter
+    output)``."""
     config = drafter.config
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     out = target(input_ids=ids, attention_mask=batch["attention_mask"], output_hidden_states=True)
@@ -65,6 +67,15 @@ def block_records(target, drafter, batch: dict, num_anchors: int, generator: tor
     drafted = drafter(input_ids=blocks.input_ids, position_ids=blocks.position_ids, target_hidden=features,
                       context_position_ids=torch.arange(n).unsqueeze(0).expand(b, -1),
                       attention_mask=BlockLayout(blocks.context_lengths, config.block_size))
+    return out, anchors, blocks, drafted
+
+
+@torch.no_grad()
+def block_records(target, drafter, batch: dict, num_anchors: int, generator: torch.Generator) -> dict:
+    """Per block of one batch: target top-2 and the drafter's greedy token at every position, validity, offsets."""
+    loss_mask = batch["loss_mask"]
+    out, anchors, blocks, drafted = teacher_forced_blocks(target, drafter, batch, num_anchors, generator)
+    b = loss_mask.shape[0]
     num, g = blocks.labels.shape[1:]
     hidden = drafted.hidden_states.view(b, num, g, -1)
     logits = drafted.logits.view(b, num, g, -1)

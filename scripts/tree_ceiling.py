@@ -33,12 +33,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from acceptance_caps import HELDOUT_DATA, sample  # noqa: E402
+from acceptance_caps import HELDOUT_DATA, sample, teacher_forced_blocks  # noqa: E402
 
 from hf_dspark.defaults import load_drafter_for  # noqa: E402
-from hf_dspark.modeling_dspark import BlockLayout  # noqa: E402
 from hf_dspark.target import load_smollm2  # noqa: E402
-from hf_dspark.training.losses import build_blocks, sample_anchors  # noqa: E402
 from hf_dspark.training.trainer import collate  # noqa: E402
 
 FULL_TREES = ((), (2,), (4,), (3, 2), (4, 2), (4, 2, 2))
@@ -49,18 +47,10 @@ CHUNK = 64  # blocks scored together
 
 @torch.no_grad()
 def blocks_of(target, drafter, batch: dict, num_anchors: int, generator: torch.Generator) -> dict:
-    """The whole blocks of one batch: backbone log-probabilities over the draft vocabulary [n, g, V], the anchor
+    """The whole blocks of one batch: the backbone's logits over the draft vocabulary [n, g, V], the anchor
     token [n], and the target's greedy token at each block position [n, g] (full vocabulary)."""
-    config = drafter.config
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    out = target(input_ids=ids, attention_mask=batch["attention_mask"], output_hidden_states=True)
-    features = drafter.gather_target_hidden(out.hidden_states, config.target_layer_ids).float()
-    anchors, keep = sample_anchors(loss_mask, num_anchors, generator)
-    blocks = build_blocks(ids, loss_mask, anchors, keep, config.block_size, config.mask_token_id)
-    b, n = ids.shape
-    drafted = drafter(input_ids=blocks.input_ids, position_ids=blocks.position_ids, target_hidden=features,
-                      context_position_ids=torch.arange(n).unsqueeze(0).expand(b, -1),
-                      attention_mask=BlockLayout(blocks.context_lengths, config.block_size))
+    out, _, blocks, drafted = teacher_forced_blocks(target, drafter, batch, num_anchors, generator)
+    b = batch["input_ids"].shape[0]
     num, g = blocks.labels.shape[1:]
     logits = drafted.logits.view(b, num, g, -1).float()
     rows = blocks.target_positions.view(b, -1)
