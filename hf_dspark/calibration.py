@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .evaluation.figures import pyplot, save_figure
 # Rollouts and the calibration metrics live with the other metrics (evaluation.metrics); imported from here too.
 from .evaluation.metrics import Rollouts, expected_calibration_error, prefix_survival, roc_auc
 from .evaluation.rollouts import batched_rollouts
@@ -124,11 +125,7 @@ def sts_json(fit: dict, dataset: str) -> dict:
 def reliability_diagram(rollouts: Rollouts, temperatures: list[float] | None, path: str | Path,
                         num_bins: int = 15) -> Path:
     """Reliability diagram of prefix survival per position, before and (if given) after STS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     logits, verified, accepted = rollouts.tensors()
     g = logits.shape[1]
     fig, axes = plt.subplots(1, g, figsize=(2.6 * g, 2.8), sharey=True)
@@ -156,12 +153,7 @@ def reliability_diagram(rollouts: Rollouts, temperatures: list[float] | None, pa
         ax.set_xlabel("predicted a_k", fontsize=8)
     axes[0].set_ylabel("observed P(prefix accepted)", fontsize=8)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def write_sts(folder: str | Path, fit: dict, dataset: str) -> Path:

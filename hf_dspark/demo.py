@@ -415,7 +415,25 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
     runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s, policy=policy)
     target_name = Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     name = title or f"DSpark speculative decoding: {target_name}"
-    policies = runner.policies
+    with gr.Blocks(title="hf-dspark demo", analytics_enabled=False) as demo:
+        gr.Markdown(f"## {html.escape(name)}\nGreedy decoding with plain `generate()` first, then with the DSpark "
+                    f"drafter (block size {runner.block_size}); in float32 the two outputs are identical."
+                    + (f"\n\nDrafter: {html.escape(drafter_label)}" if drafter_label else ""))
+        prompt, run_button, stop_button = _prompt_row(gr)
+        policy, num_verify, threshold, max_tokens = _settings_row(gr, runner, max_new_tokens)
+        plain_text, plain_speed, dspark_text, dspark_speed = _output_panels(gr)
+        summary = gr.Markdown(elem_id="dspark-summary")
+        gr.HTML(legend_html())
+        rounds = gr.HTML(elem_id="dspark-rounds")
+        inputs = [prompt, max_tokens, policy, threshold, num_verify]
+        outputs = [plain_text, plain_speed, dspark_text, dspark_speed, rounds, summary]
+        _connect_events(gr, _generate_handler(gr, runner), prompt, run_button, stop_button, inputs, outputs)
+    demo.runner = runner
+    return demo
+
+
+def _generate_handler(gr, runner: DemoRunner):
+    """The app's ``generate`` event handler: ``runner.run``'s updates, or one message for an empty prompt."""
 
     def generate(prompt, max_tokens, policy_name, threshold, num_verify):
         if not (prompt or "").strip():  # one message, in the summary, instead of an error badge on every panel
@@ -426,48 +444,59 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
         except ValueError as err:
             raise gr.Error(str(err)) from err
 
-    with gr.Blocks(title="hf-dspark demo", analytics_enabled=False) as demo:
-        gr.Markdown(f"## {html.escape(name)}\nGreedy decoding with plain `generate()` first, then with the DSpark "
-                    f"drafter (block size {runner.block_size}); in float32 the two outputs are identical."
-                    + (f"\n\nDrafter: {html.escape(drafter_label)}" if drafter_label else ""))
-        with gr.Row():
-            prompt = gr.Textbox(label="Prompt", lines=3, scale=4,
-                                value=DEFAULT_PROMPT, placeholder="Type a prompt")
-            with gr.Column(scale=1):
-                run_button = gr.Button("Generate", variant="primary", elem_id="generate-button",
-                                       interactive=bool(DEFAULT_PROMPT.strip()))
-                stop_button = gr.Button("Stop", elem_id="stop-button")
-        with gr.Row():
-            policy = gr.Radio(policies, value=runner.default_policy, label="Verification policy",
-                              info="; ".join(POLICY_HELP[p] for p in policies))
-            num_verify = gr.Slider(1, runner.block_size, value=runner.block_size, step=1,
-                                   label="Draft tokens to verify (N)", info="exactly N for fixed, at most N otherwise")
-            threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
-                                  interactive=runner.has_confidence)
-            max_tokens = gr.Slider(1, max(512, max_new_tokens), value=max_new_tokens, step=1, label="Max new tokens")
-        with gr.Row(equal_height=True):
-            with gr.Column():
-                plain_speed = gr.Markdown(elem_id="plain-speed")
-                plain_text = gr.Textbox(label="plain generate()", lines=10, elem_id="plain-output")
-            with gr.Column():
-                dspark_speed = gr.Markdown(elem_id="dspark-speed")
-                dspark_text = gr.Textbox(label="DSpark-assisted generate()", lines=10, elem_id="dspark-output")
-        summary = gr.Markdown(elem_id="dspark-summary")
-        gr.HTML(legend_html())
-        rounds = gr.HTML(elem_id="dspark-rounds")
-        inputs = [prompt, max_tokens, policy, threshold, num_verify]
-        outputs = [plain_text, plain_speed, dspark_text, dspark_speed, rounds, summary]
-        # One run at a time across sessions: the runs share the models, and timing them side by side needs the CPU.
-        events = [
-            run_button.click(generate, inputs, outputs, api_name="generate", concurrency_limit=1,
-                             concurrency_id="generate"),
-            prompt.submit(generate, inputs, outputs, api_name=False, concurrency_limit=1, concurrency_id="generate"),
-        ]
-        stop_button.click(None, cancels=events)
-        prompt.change(lambda text: gr.update(interactive=bool((text or "").strip())), prompt, run_button,
-                      api_name=False, queue=False)
-    demo.runner = runner
-    return demo
+    return generate
+
+
+def _prompt_row(gr):
+    """The prompt box beside the Generate and Stop buttons."""
+    with gr.Row():
+        prompt = gr.Textbox(label="Prompt", lines=3, scale=4,
+                            value=DEFAULT_PROMPT, placeholder="Type a prompt")
+        with gr.Column(scale=1):
+            run_button = gr.Button("Generate", variant="primary", elem_id="generate-button",
+                                   interactive=bool(DEFAULT_PROMPT.strip()))
+            stop_button = gr.Button("Stop", elem_id="stop-button")
+    return prompt, run_button, stop_button
+
+
+def _settings_row(gr, runner: DemoRunner, max_new_tokens: int):
+    """The verification policy, its N and threshold, and the number of new tokens."""
+    policies = runner.policies
+    with gr.Row():
+        policy = gr.Radio(policies, value=runner.default_policy, label="Verification policy",
+                          info="; ".join(POLICY_HELP[p] for p in policies))
+        num_verify = gr.Slider(1, runner.block_size, value=runner.block_size, step=1,
+                               label="Draft tokens to verify (N)", info="exactly N for fixed, at most N otherwise")
+        threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
+                              interactive=runner.has_confidence)
+        max_tokens = gr.Slider(1, max(512, max_new_tokens), value=max_new_tokens, step=1, label="Max new tokens")
+    return policy, num_verify, threshold, max_tokens
+
+
+def _output_panels(gr):
+    """Plain and DSpark-assisted output side by side, each under its speed line."""
+    with gr.Row(equal_height=True):
+        with gr.Column():
+            plain_speed = gr.Markdown(elem_id="plain-speed")
+            plain_text = gr.Textbox(label="plain generate()", lines=10, elem_id="plain-output")
+        with gr.Column():
+            dspark_speed = gr.Markdown(elem_id="dspark-speed")
+            dspark_text = gr.Textbox(label="DSpark-assisted generate()", lines=10, elem_id="dspark-output")
+    return plain_text, plain_speed, dspark_text, dspark_speed
+
+
+def _connect_events(gr, generate, prompt, run_button, stop_button, inputs: list, outputs: list) -> None:
+    """Generate on the button or Enter, Stop cancelling either, and the button enabled only for a non-empty
+    prompt."""
+    # One run at a time across sessions: the runs share the models, and timing them side by side needs the CPU.
+    events = [
+        run_button.click(generate, inputs, outputs, api_name="generate", concurrency_limit=1,
+                         concurrency_id="generate"),
+        prompt.submit(generate, inputs, outputs, api_name=False, concurrency_limit=1, concurrency_id="generate"),
+    ]
+    stop_button.click(None, cancels=events)
+    prompt.change(lambda text: gr.update(interactive=bool((text or "").strip())), prompt, run_button,
+                  api_name=False, queue=False)
 
 
 def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: str | None = None,

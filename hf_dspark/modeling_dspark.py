@@ -533,6 +533,7 @@ class DSparkDrafter(DSparkPreTrainedModel):
         per thread and reused while nothing it bakes in changed; see ``kept_static_round``."""
         return kept_static_round(self, capacity, processors=processors, do_sample=do_sample, graph=graph,
                                  fallback=fallback)
+
     @torch.no_grad()
     def sample_block(
         self,
@@ -568,19 +569,9 @@ class DSparkDrafter(DSparkPreTrainedModel):
             # q_k: the exact distribution x_k is drawn from (sequential head, then every processor, over the draft
             # or the full vocabulary as chosen above, with the actually sampled prefix).
             scores = base[:, k] if head is None else head(sequence, base[:, k])
-            if candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
-                values, indices = candidate(scores)
-                steps.append(candidate.full(values, indices, scores.shape[-1]))
-                pick = torch.multinomial(torch.softmax(values, dim=-1), num_samples=1, generator=generator)
-                index = indices.gather(-1, pick)
-            else:
-                if processors:
-                    scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
-                steps.append(scores)
-                if do_sample:
-                    index = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
-                else:
-                    index = scores.argmax(dim=-1, keepdim=True)
+            step_logits, index = self._block_step(scores, sequence, processors, candidate, in_draft_space,
+                                                  do_sample, generator)
+            steps.append(step_logits)
             token = draft_vocab[index] if in_draft_space else index
             sequence = torch.cat([sequence, token], dim=-1)
         draft_logits = torch.stack(steps, dim=1)
@@ -597,6 +588,19 @@ class DSparkDrafter(DSparkPreTrainedModel):
             confidences=confidences,
             to_full_vocab=self.to_full_vocab if in_draft_space else None,
         )
+
+    def _block_step(self, scores, sequence, processors, candidate, in_draft_space, do_sample, generator):
+        """One position of ``sample_block``: the logits of the distribution the draft is drawn from and the drawn
+        index (in the draft vocabulary when ``in_draft_space``)."""
+        if candidate is not None:  # the same warpers on the top candidates (see CandidateWarpers)
+            values, indices = candidate(scores)
+            pick = torch.multinomial(torch.softmax(values, dim=-1), num_samples=1, generator=generator)
+            return candidate.full(values, indices, scores.shape[-1]), indices.gather(-1, pick)
+        if processors:
+            scores = processors(sequence, scores if in_draft_space else self.to_full_vocab(scores))
+        if do_sample:
+            return scores, torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator)
+        return scores, scores.argmax(dim=-1, keepdim=True)
 
     # ----------------------------------------------------------------------------------------------------------
     # Loading and saving

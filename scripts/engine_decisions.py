@@ -22,18 +22,15 @@ a checkout embeds differently do not pass for a changed rule; its weights' diges
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decision_traces import add_arguments, checked_inputs, digest, load_run, weights_digest  # noqa: E402
+
 TIMING_FREE = {"realized_gate": False, "cost_aware": False, "adapt_sps": False}
 METHOD = "scheduled"  # the scheduler's engine name in every version of the engine (later ones also read "scheduler")
-DRAFTER = Path(__file__).resolve().parents[1] / "hf_dspark" / "drafters" / "smollm2-135m-instruct-dspark"
-
-
-def digest(value) -> str:
-    return hashlib.sha1(json.dumps(value).encode()).hexdigest()[:12]
 
 
 def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str = METHOD, concurrency: int = 1,
@@ -57,70 +54,24 @@ def decision_trace(target, drafter, prompts: list[list[int]], sps, method: str =
     return trace
 
 
-def import_package(tree: str | None):
-    """``hf_dspark`` from ``tree`` (bypassing an installed or editable copy), or the installed one."""
-    if tree is not None:
-        root = Path(tree).resolve()
-        sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in repr(finder).lower()]
-        sys.path.insert(0, str(root))
-        for name in [name for name in sys.modules if name == "hf_dspark" or name.startswith("hf_dspark.")]:
-            del sys.modules[name]
-    import hf_dspark
-
-    if tree is not None and not Path(hf_dspark.__file__).resolve().is_relative_to(root):
-        raise SystemExit(f"--tree {tree}: imported hf_dspark from {hf_dspark.__file__} instead")
-    return hf_dspark
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sps", required=True, help="batched SPS profile JSON (with 'curves')")
-    parser.add_argument("--output", required=True, help="trace JSON to write")
-    parser.add_argument("--tree", help="checkout whose hf_dspark to import (default: the installed package)")
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"),
-                        help="prompt files or folders (default: ../shared/data/eval)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    add_arguments(parser, "batched SPS profile JSON (with 'curves')", num_prompts=16, max_new_tokens=16)
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--drafter", default=str(DRAFTER),
-                        help="drafter folder both versions load (default: this checkout's embedded DSpark drafter)")
     parser.add_argument("--method", default=METHOD,
                         help=f"engine method (default {METHOD!r}, which every version of the engine reads)")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    for flag in ("num_prompts", "max_new_tokens", "concurrency", "threads"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    sps_path = Path(args.sps)
-    if not sps_path.is_file():
-        parser.error(f"--sps {args.sps}: no such file")
-    drafter_weights = Path(args.drafter) / "model.safetensors"
-    if not drafter_weights.is_file():
-        parser.error(f"--drafter {args.drafter}: no model.safetensors there")
-    data = json.loads(sps_path.read_text())
+    data, drafter_weights = checked_inputs(parser, args, ("num_prompts", "max_new_tokens", "concurrency", "threads"))
     if "curves" not in data:
         parser.error(f"--sps {args.sps}: not a batched SPS profile (no 'curves')")
 
-    hf_dspark = import_package(args.tree)
-    import torch
-
-    try:
-        from hf_dspark.evaluation.engine_bench import encode_prompts
-    except ImportError:  # a --tree from before the bench moved out of engine/
-        from hf_dspark.engine.bench import encode_prompts
+    hf_dspark, target, drafter, prompts = load_run(args)
     from hf_dspark.profiling import BatchedStepsPerSecond
-    from hf_dspark.prompts import load_prompts
 
-    torch.set_num_threads(args.threads)
-    from hf_dspark.defaults import load_drafter_for
-
-    target, tokenizer, _ = hf_dspark.load_default(dtype=torch.float32)
-    drafter, _ = load_drafter_for(target, args.drafter, dtype=torch.float32)
-    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts)]
     sps = BatchedStepsPerSecond.from_dict({"curves": data["curves"]})
     trace = decision_trace(target, drafter, prompts, sps, args.method, args.concurrency, args.max_new_tokens)
     trace["package"] = str(Path(hf_dspark.__file__).parent)
-    trace["drafter_weights_sha256"] = hashlib.sha256(drafter_weights.read_bytes()).hexdigest()[:12]
+    trace["drafter_weights_sha256"] = weights_digest(drafter_weights)
     Path(args.output).write_text(json.dumps(trace) + "\n")
     print(f"{trace['package']} (drafter weights {trace['drafter_weights_sha256']}): {len(trace['verify_tokens'])} "
           f"steps, {sum(trace['verify_tokens'])} drafts verified, decisions {trace['decisions_digest']}, "

@@ -17,14 +17,13 @@ its ``profile``), or the profile's dict itself.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_decisions import DRAFTER, digest, import_package  # noqa: E402
+from decision_traces import add_arguments, checked_inputs, digest, load_run, weights_digest  # noqa: E402
 
 POLICIES = ("hybrid", "scheduler")
 # What generate() calls with one drafter and target share (``generation.realized_gate_for``, ``lookup_survival_for``).
@@ -73,54 +72,22 @@ def decision_trace(target, drafter, prompts: list[list[int]], profile: dict, pol
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sps", required=True, help="single-sequence SPS profile JSON")
-    parser.add_argument("--output", required=True, help="trace JSON to write")
-    parser.add_argument("--tree", help="checkout whose hf_dspark to import (default: the installed package)")
-    parser.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"),
-                        help="prompt files or folders (default: ../shared/data/eval)")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_arguments(parser, "single-sequence SPS profile JSON", num_prompts=8, max_new_tokens=48)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--tick", type=float, default=0.005, help="seconds the clock advances per read")
-    parser.add_argument("--drafter", default=str(DRAFTER),
-                        help="drafter folder both versions load (default: this checkout's embedded DSpark drafter)")
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    for flag in ("num_prompts", "max_new_tokens", "threads"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    data, drafter_weights = checked_inputs(parser, args, ("num_prompts", "max_new_tokens", "threads"))
     if not args.tick > 0:
         parser.error("--tick must be > 0")
-    sps_path = Path(args.sps)
-    if not sps_path.is_file():
-        parser.error(f"--sps {args.sps}: no such file")
-    drafter_weights = Path(args.drafter) / "model.safetensors"
-    if not drafter_weights.is_file():
-        parser.error(f"--drafter {args.drafter}: no model.safetensors there")
-    data = json.loads(sps_path.read_text())
     profile = data.get("profile", data)
     if "sample_batch_tokens" not in profile:
         parser.error(f"--sps {args.sps}: not a single-sequence SPS profile (no 'sample_batch_tokens')")
 
-    hf_dspark = import_package(args.tree)
-    import torch
-
-    from hf_dspark.defaults import load_drafter_for
-    from hf_dspark.prompts import load_prompts
-
-    try:
-        from hf_dspark.evaluation.engine_bench import encode_prompts
-    except ImportError:  # a --tree from before the bench moved out of engine/
-        from hf_dspark.engine.bench import encode_prompts
-
-    torch.set_num_threads(args.threads)
-    target, tokenizer, _ = hf_dspark.load_default(dtype=torch.float32)
-    drafter, _ = load_drafter_for(target, args.drafter, dtype=torch.float32)
-    prompts = [ids for _, ids in encode_prompts(tokenizer, load_prompts([args.prompts]), args.num_prompts)]
+    hf_dspark, target, drafter, prompts = load_run(args)
     traces = [decision_trace(target, drafter, prompts, profile, policy, args.max_new_tokens, args.tick)
               for policy in args.policies]
     result = {"package": str(Path(hf_dspark.__file__).parent),
-              "drafter_weights_sha256": hashlib.sha256(drafter_weights.read_bytes()).hexdigest()[:12],
+              "drafter_weights_sha256": weights_digest(drafter_weights),
               "traces": traces}
     Path(args.output).write_text(json.dumps(result) + "\n")
     for trace in traces:

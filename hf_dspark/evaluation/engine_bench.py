@@ -485,75 +485,109 @@ def bench_serve(target, drafter, prompts: list[list[int]], methods: list[str], c
                                             temperature, top_p, schedule, sps, seed, warmup, repeats,
                                             share_measurements, measurements, log)
     pairs = lockstep_pairs(specs) if lockstep == "pairs" else None
-    greedy = not params.do_sample
     results: dict[str, dict[str, dict]] = {m: {} for m in methods}
-
-    def logged(concurrency: int, name: str, summary: dict) -> None:
-        log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
-            f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
-            f"{summary['mean_verify_tokens_per_step']:6.1f} drafts/step  tau {summary['accepted_length']:.2f}")
-
     for concurrency in concurrencies:
-        reference = None
-        runs: dict[str, list] = {name: [] for name in specs}
-        beside: dict[tuple[str, str], list] = {}  # (method, partner) -> its runs in two-engine locksteps
-        names = list(specs)
-        for repeat in range(repeats):
-            if pairs is not None:
-                # each comparison in its own lockstep, the first pair rotating with the repeat
-                for first, second in pairs[repeat % len(pairs):] + pairs[: repeat % len(pairs)]:
-                    together = run_lockstep(target, drafter, prompts, params, concurrency,
-                                            {first: specs[first], second: specs[second]}, sps, seed, measured,
-                                            shift=repeat)
-                    for name, partner in ((first, second), (second, first)):
-                        beside.setdefault((name, partner), []).append(together[name])
-                        logged(concurrency, f"{name} (beside {partner})", together[name][0])
-                continue
-            # Each repeat starts one method later, so no method always runs right after the same other one (a run
-            # after fixed-length verification's wide steps may find the memory allocator or caches in another state).
-            order = names[repeat % len(names):] + names[: repeat % len(names)]
-            together = (run_lockstep(target, drafter, prompts, params, concurrency, specs, sps, seed, measured,
-                                     shift=repeat) if lockstep else None)
-            for name in order:
-                summary, tokens = together[name] if lockstep else run_once(
-                    target, drafter, prompts, params, concurrency, specs[name], sps, seed, measured.get(name))
-                runs[name].append((summary, tokens))
-                logged(concurrency, name, summary)
-        partners = {}
-        if pairs is not None:
-            for name in specs:
-                partners[name] = next(b if a == name else a for a, b in pairs if name in (a, b))
-                runs[name] = beside[(name, partners[name])]
-        for name, spec in specs.items():
-            summary, tokens = max(runs[name], key=lambda run: run[0]["tokens_per_s"])
-            summary["runs_tokens_per_s"] = [run[0]["tokens_per_s"] for run in runs[name]]
-            summary["runs_counts"] = [_counts(run[0]) for run in runs[name]]
-            summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
-            if pairs is not None:
-                summary["lockstep"] = "pairs"
-                summary["lockstep_partner"] = partners[name]
-                summary["runs_beside"] = {partner: {"runs_tokens_per_s": [run[0]["tokens_per_s"] for run in mine],
-                                                    "runs_counts": [_counts(run[0]) for run in mine]}
-                                          for (member, partner), mine in beside.items() if member == name}
-            if greedy and spec["policy"] == "plain":
-                reference = tokens
-            results[name][str(concurrency)] = summary
-            results[name][str(concurrency)]["_tokens"] = tokens
-        def rates(name: str, other: str) -> list[float]:  # name's runs to pair with other's (pairs: beside it)
-            return [run[0]["tokens_per_s"] for run in (runs[name] if pairs is None else beside[(name, other)])]
-
+        runs, beside = _serve_repeats(target, drafter, prompts, params, concurrency, specs, sps, seed, measured,
+                                      repeats, lockstep, pairs, log)
+        rows, tokens = _fastest_runs(specs, runs, beside, pairs)
+        reference = None if params.do_sample else _plain_tokens(specs, tokens)
         for name in methods:
-            row = results[name][str(concurrency)]
-            for other in _baselines(specs, name):
-                ratios = against_baseline(rates(name, other), rates(other, name))
-                row[f"vs_{other}"] = ratios
-                log(f"c={concurrency:<4d} {name:20s} vs {other}: {_format_ratios(ratios)}")
-            tokens = results[name][str(concurrency)].pop("_tokens")
+            results[name][str(concurrency)] = rows[name]
+            _compare_with_baselines(rows[name], name, specs, runs, beside, pairs, concurrency, log)
             if reference is not None:
-                same = sum(a == b for a, b in zip(tokens, reference))
-                results[name][str(concurrency)]["identical_to_plain"] = f"{same}/{len(reference)}"
+                same = sum(a == b for a, b in zip(tokens[name], reference))
+                rows[name]["identical_to_plain"] = f"{same}/{len(reference)}"
     return {"results": results, "sps": None if sps is None else sps.to_dict(),
             "measurements": {name: m.to_dict() for name, m in measured.items()}}
+
+
+def _serve_repeats(target, drafter, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                   specs: dict[str, dict], sps, seed: int, measured: dict, repeats: int, lockstep: bool | str,
+                   pairs: list[tuple[str, str]] | None, log) -> tuple[dict[str, list], dict[tuple[str, str], list]]:
+    """Every repeat of ``bench_serve``'s methods at one concurrency: ``(runs, beside)``, each method's ``(summary,
+    tokens)`` runs (with lockstep ``pairs``, those beside its first partner) and, with lockstep ``pairs``, each
+    ``(method, partner)``'s runs in the two-engine locksteps they shared."""
+    runs: dict[str, list] = {name: [] for name in specs}
+    beside: dict[tuple[str, str], list] = {}
+    names = list(specs)
+    for repeat in range(repeats):
+        if pairs is not None:
+            # each comparison in its own lockstep, the first pair rotating with the repeat
+            for first, second in pairs[repeat % len(pairs):] + pairs[: repeat % len(pairs)]:
+                together = run_lockstep(target, drafter, prompts, params, concurrency,
+                                        {first: specs[first], second: specs[second]}, sps, seed, measured,
+                                        shift=repeat)
+                for name, partner in ((first, second), (second, first)):
+                    beside.setdefault((name, partner), []).append(together[name])
+                    _log_run(log, concurrency, f"{name} (beside {partner})", together[name][0])
+            continue
+        # Each repeat starts one method later, so no method always runs right after the same other one (a run
+        # after fixed-length verification's wide steps may find the memory allocator or caches in another state).
+        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        together = (run_lockstep(target, drafter, prompts, params, concurrency, specs, sps, seed, measured,
+                                 shift=repeat) if lockstep else None)
+        for name in order:
+            summary, tokens = together[name] if lockstep else run_once(
+                target, drafter, prompts, params, concurrency, specs[name], sps, seed, measured.get(name))
+            runs[name].append((summary, tokens))
+            _log_run(log, concurrency, name, summary)
+    if pairs is not None:
+        runs = {name: beside[(name, _first_partner(pairs, name))] for name in specs}
+    return runs, beside
+
+
+def _log_run(log, concurrency: int, name: str, summary: dict) -> None:
+    """One line per run: its aggregate and per-request tokens/s, verification budget per step and tau."""
+    log(f"c={concurrency:<4d} {name:20s} {summary['tokens_per_s']:9.1f} tok/s  per-request "
+        f"{summary['per_request_tokens_per_s']['mean']:7.1f} tok/s  budget "
+        f"{summary['mean_verify_tokens_per_step']:6.1f} drafts/step  tau {summary['accepted_length']:.2f}")
+
+
+def _first_partner(pairs: list[tuple[str, str]], name: str) -> str:
+    """The method ``name`` shares its first lockstep pair with: whom its listed runs stepped beside."""
+    return next(b if a == name else a for a, b in pairs if name in (a, b))
+
+
+def _fastest_runs(specs: dict[str, dict], runs: dict[str, list], beside: dict[tuple[str, str], list],
+                  pairs: list[tuple[str, str]] | None) -> tuple[dict[str, dict], dict[str, list[list[int]]]]:
+    """Each method's row at one concurrency, its fastest run's summary with every run's tokens/s and counts (and,
+    with lockstep ``pairs``, its partner and its runs beside each partner), and that run's tokens:
+    ``({name: row}, {name: each request's tokens})``."""
+    rows, tokens = {}, {}
+    for name in specs:
+        summary, tokens[name] = max(runs[name], key=lambda run: run[0]["tokens_per_s"])
+        summary["runs_tokens_per_s"] = [run[0]["tokens_per_s"] for run in runs[name]]
+        summary["runs_counts"] = [_counts(run[0]) for run in runs[name]]
+        summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
+        if pairs is not None:
+            summary["lockstep"] = "pairs"
+            summary["lockstep_partner"] = _first_partner(pairs, name)
+            summary["runs_beside"] = {partner: {"runs_tokens_per_s": [run[0]["tokens_per_s"] for run in mine],
+                                                "runs_counts": [_counts(run[0]) for run in mine]}
+                                      for (member, partner), mine in beside.items() if member == name}
+        rows[name] = summary
+    return rows, tokens
+
+
+def _plain_tokens(specs: dict[str, dict], tokens: dict[str, list[list[int]]]) -> list[list[int]] | None:
+    """The tokens of the bench's last plain method, which every method's greedy outputs are compared with; None
+    without one."""
+    plain = [name for name, spec in specs.items() if spec["policy"] == "plain"]
+    return tokens[plain[-1]] if plain else None
+
+
+def _compare_with_baselines(row: dict, name: str, specs: dict[str, dict], runs: dict[str, list],
+                            beside: dict[tuple[str, str], list], pairs: list[tuple[str, str]] | None,
+                            concurrency: int, log) -> None:
+    """``row``'s ``vs_<other>`` for each method ``name`` is compared with (``_baselines``): ``against_baseline`` of
+    its runs and other's from the same repeats (with lockstep ``pairs``, from the locksteps the two shared)."""
+    def rates(method: str, other: str) -> list[float]:
+        return [run[0]["tokens_per_s"] for run in (runs[method] if pairs is None else beside[(method, other)])]
+
+    for other in _baselines(specs, name):
+        ratios = against_baseline(rates(name, other), rates(other, name))
+        row[f"vs_{other}"] = ratios
+        log(f"c={concurrency:<4d} {name:20s} vs {other}: {_format_ratios(ratios)}")
 
 
 def serve_request(engine: DSparkEngine, prompt: list[int], params: SamplingParams, target=None) -> tuple:
@@ -595,30 +629,12 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
                                             top_p, schedule, sps, seed, warmup, repeats, True, measurements, log)
     names = list(specs)
     engines = {name: _engine(target, drafter, 1, specs[name], sps, seed, measured.get(name)) for name in names}
-    outputs: dict[str, list] = {name: [] for name in names}  # (pass, prompt) order
-    seconds: dict[str, list[float]] = {name: [] for name in names}
-    from tqdm.auto import tqdm
-
-    def rate(name: str, repeat: int) -> float:  # a method's tokens/s over one pass
-        done = slice(repeat * len(prompts), (repeat + 1) * len(prompts))
-        return sum(len(o.token_ids) for o in outputs[name][done]) / sum(seconds[name][done])
-
-    bar = tqdm(total=repeats * len(prompts), desc="interleaved c=1", unit="prompt", leave=False)
-    for repeat in range(repeats):
-        for index, prompt in enumerate(prompts):
-            shift = (index + repeat // 2) % len(names)
-            order = names[shift:] + names[:shift]
-            for name in (order if repeat % 2 == 0 else order[::-1]):
-                output, wall = serve_request(engines[name], prompt, params, target)
-                outputs[name].append(output)
-                seconds[name].append(wall)
-            bar.update()
-        log(f"pass {repeat + 1}: " + ", ".join(f"{name} {rate(name, repeat):.1f} tok/s" for name in names))
-    bar.close()
+    outputs, seconds = _serve_interleaved(target, engines, prompts, params, repeats, log)
     results: dict[str, dict[str, dict]] = {}
     for name in names:
         summary = _summary(outputs[name], sum(seconds[name]), 1, engines[name])
-        summary["runs_tokens_per_s"] = [rate(name, repeat) for repeat in range(repeats)]
+        summary["runs_tokens_per_s"] = [_pass_rate(outputs[name], seconds[name], repeat, len(prompts))
+                                        for repeat in range(repeats)]
         summary["mean_tokens_per_s"] = statistics.fmean(summary["runs_tokens_per_s"])
         summary["interleaved"] = True
         results[name] = {"1": summary}
@@ -637,6 +653,38 @@ def bench_interleaved(target, drafter, prompts: list[list[int]], methods: list[s
             row["identical_to_plain"] = f"{same}/{len(outputs[name])}"
     return {"results": results, "sps": None if sps is None else sps.to_dict(),
             "measurements": {name: m.to_dict() for name, m in measured.items()}}
+
+
+def _serve_interleaved(target, engines: dict[str, DSparkEngine], prompts: list[list[int]], params: SamplingParams,
+                       repeats: int, log) -> tuple[dict[str, list], dict[str, list[float]]]:
+    """``bench_interleaved``'s passes: every prompt served by each method's engine in turn, the order rotating with
+    the prompt (and with every second pass), reversed on odd passes. Returns each method's ``RequestOutput``s and
+    wall seconds, in (pass, prompt) order."""
+    from tqdm.auto import tqdm
+
+    names = list(engines)
+    outputs: dict[str, list] = {name: [] for name in names}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    bar = tqdm(total=repeats * len(prompts), desc="interleaved c=1", unit="prompt", leave=False)
+    for repeat in range(repeats):
+        for index, prompt in enumerate(prompts):
+            shift = (index + repeat // 2) % len(names)
+            order = names[shift:] + names[:shift]
+            for name in (order if repeat % 2 == 0 else order[::-1]):
+                output, wall = serve_request(engines[name], prompt, params, target)
+                outputs[name].append(output)
+                seconds[name].append(wall)
+            bar.update()
+        log(f"pass {repeat + 1}: " + ", ".join(
+            f"{name} {_pass_rate(outputs[name], seconds[name], repeat, len(prompts)):.1f} tok/s" for name in names))
+    bar.close()
+    return outputs, seconds
+
+
+def _pass_rate(outputs: list, seconds: list[float], repeat: int, count: int) -> float:
+    """A method's tokens/s over pass ``repeat`` of ``count`` requests (its outputs and seconds in pass order)."""
+    done = slice(repeat * count, (repeat + 1) * count)
+    return sum(len(o.token_ids) for o in outputs[done]) / sum(seconds[done])
 
 
 __all__ = ["BENCH_PRETOUCH_MIB", "StepClock", "add_measurement_arguments", "against_baseline",

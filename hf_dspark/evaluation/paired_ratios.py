@@ -10,6 +10,8 @@ import random
 import statistics
 from pathlib import Path
 
+from .figures import pyplot, save_figure
+
 
 def against_baseline(runs: list[float], baseline_runs: list[float]) -> dict:
     """A method's tokens/s runs against the baseline's from the same round-robin repeats: ratio of the fastest runs,
@@ -94,11 +96,7 @@ def _format_request_ratios(ratios: dict) -> str:
 
 def plot_bench(report: dict, path: str | Path) -> Path:
     """Aggregate tokens/s, per-request tokens/s and mean verification budget per step vs concurrency."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for name, per_c in report["results"].items():
         xs = sorted(int(c) for c in per_c)
@@ -114,12 +112,7 @@ def plot_bench(report: dict, path: str | Path) -> Path:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 __all__ = ["against_baseline", "against_baseline_by_request", "plot_bench"]

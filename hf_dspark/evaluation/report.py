@@ -30,6 +30,7 @@ from ..calibration import reliability_diagram
 from ..prompts import DOMAINS, load_prompts
 from . import metrics
 from .bench_report import included_markdown
+from .figures import pyplot, save_figure
 from .rollouts import MethodResult, batched_rollouts, rollout_record, summarise
 from .settings import PHASES, EvalSettings
 
@@ -112,27 +113,13 @@ def run_eval(target, tokenizer, drafter, output_dir: str | Path, settings: EvalS
     """Run this shard's units of ``phases`` (skipping finished ones), then write the report from every unit present
     (``report["missing"]`` lists the units still to run, by any shard or a later ``phases`` choice).
     ``benchmarks_include``: Markdown reports (``hf-dspark bench --markdown``) appended to ``benchmarks_path``."""
-    if num_shards is None or shard_index is None:
-        from accelerate import PartialState
-
-        state = PartialState()
-        num_shards, shard_index = state.num_processes, state.process_index
-    if not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    num_shards, shard_index = _shard(num_shards, shard_index)
     output = Path(output_dir)
     (output / "units").mkdir(parents=True, exist_ok=True)
-    records = load_prompts(settings.data)
     by_set: dict[str, list[dict]] = {}
-    for r in records:
+    for r in load_prompts(settings.data):
         by_set.setdefault(r["set"], []).append(r)
-    settings_path = output / "settings.json"
-    pinned = {"settings": asdict(settings), "sets": sorted(by_set)}
-    if settings_path.is_file():
-        previous = json.loads(settings_path.read_text())
-        if previous["settings"] != pinned["settings"] or previous["sets"] != pinned["sets"]:
-            raise ValueError(f"{output} holds an evaluation with other settings; use a new --output folder")
-    elif shard_index == 0:
-        settings_path.write_text(json.dumps(pinned, indent=2))
+    _pin_settings(output / "settings.json", settings, sorted(by_set), write=shard_index == 0)
     unknown = set(phases) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
@@ -151,23 +138,58 @@ def run_eval(target, tokenizer, drafter, output_dir: str | Path, settings: EvalS
             continue
         result = run_unit(target, tokenizer, drafter, ablation, by_set[prompt_set], phase, temperature, settings,
                           progress, desc=f"{name} [{i + 1}/{len(todo)}]", concurrency=concurrency)
-        tmp = path.with_suffix(f".{shard_index}.tmp")
-        tmp.write_text(json.dumps(result))
-        os.replace(tmp, path)  # a unit is either complete or absent
+        _write_unit(path, result, shard_index)
         ran += 1
     missing = [unit_name(*u) for u in _units(settings, sorted(by_set))
                if not (output / "units" / f"{unit_name(*u)}.json").is_file()]
     report = build_report(output, settings, drafter, ablation, description or {})
-    previous = output / "report.json"
-    if not ran and previous.is_file():
-        # Only re-rendered: the numbers come from the run that measured them, so its machine, versions and date
-        # stay; the command is this one (it regenerates the page).
-        measured = json.loads(previous.read_text()).get("environment")
-        if measured:
-            report["environment"] = {**measured, "command": report["environment"]["command"]}
+    if not ran:
+        _keep_measured_environment(report, output / "report.json")
     report["missing"] = missing
     write_report(report, output, benchmarks_path, benchmarks_include)
     return report
+
+
+def _shard(num_shards: int | None, shard_index: int | None) -> tuple[int, int]:
+    """This process's ``(num_shards, shard_index)``: the given ones, else ``accelerate``'s, checked."""
+    if num_shards is None or shard_index is None:
+        from accelerate import PartialState
+
+        state = PartialState()
+        num_shards, shard_index = state.num_processes, state.process_index
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    return num_shards, shard_index
+
+
+def _pin_settings(path: Path, settings: EvalSettings, sets: list[str], write: bool) -> None:
+    """Check ``settings`` and the prompt ``sets`` against those an output folder was started with (``path``); with
+    none recorded yet, record them when ``write`` (shard 0)."""
+    pinned = {"settings": asdict(settings), "sets": sets}
+    if path.is_file():
+        previous = json.loads(path.read_text())
+        if previous["settings"] != pinned["settings"] or previous["sets"] != pinned["sets"]:
+            raise ValueError(f"{path.parent} holds an evaluation with other settings; use a new --output folder")
+    elif write:
+        path.write_text(json.dumps(pinned, indent=2))
+
+
+def _write_unit(path: Path, result: dict, shard_index: int) -> None:
+    """Write a finished unit through a temporary file, so that a unit is either complete or absent."""
+    tmp = path.with_suffix(f".{shard_index}.tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, path)
+
+
+def _keep_measured_environment(report: dict, previous: Path) -> None:
+    """For a report only re-rendered (no unit ran): the numbers come from the run that measured them, so that run's
+    machine, versions and date (from ``previous``, its ``report.json``) stay; the command is this one (it regenerates
+    the page)."""
+    if not previous.is_file():
+        return
+    measured = json.loads(previous.read_text()).get("environment")
+    if measured:
+        report["environment"] = {**measured, "command": report["environment"]["command"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,9 +350,35 @@ def _fmt(x, digits=2, suffix=""):
 
 
 def render_markdown(report: dict, plots: dict[str, Path], base: Path) -> str:
+    """The report as Markdown: its header, then per temperature a section each for accepted length and
+    position-wise acceptance, the threshold sweep, calibration and speed (with the ``plots``, linked relative to
+    ``base``)."""
+    lines = _header_lines(report)
+    if report.get("missing"):
+        phases = " ".join(p for p in PHASES if any(name.startswith(f"{p}-") for name in report["missing"]))
+        lines += [f"**Incomplete**: {len(report['missing'])} units not run yet: {', '.join(report['missing'])}. "
+                  f"Re-run the command with `--phases {phases}` to finish them.", ""]
+    for t, entry in report["temperatures"].items():
+        lines += [f"## Temperature {t}", ""]
+        if entry.get("acceptance"):
+            lines += _acceptance_lines(entry["acceptance"], report["models"]["block_size"])
+            lines += _section_end(plots, f"position_acceptance_t{t}", "position-wise acceptance", base)
+        if entry.get("threshold_sweep"):
+            lines += _threshold_sweep_lines(entry["threshold_sweep"])
+            lines += _section_end(plots, f"threshold_sweep_t{t}", "threshold sweep", base)
+        if entry.get("calibration"):
+            lines += _calibration_lines(entry["calibration"])
+            lines += _section_end(plots, f"reliability_t{t}", "reliability", base)
+        if entry.get("speed"):
+            lines += _speed_lines(entry["speed"])
+            lines += _section_end(plots, f"speed_t{t}", "speed", base)
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(report: dict) -> list[str]:
+    """Title, models, prompts, machine, versions, command and the definitions of the report's measures."""
     env, models, s = report["environment"], report["models"], report["settings"]
-    rel = lambda p: os.path.relpath(p, base)  # noqa: E731
-    lines = [
+    return [
         "<!-- generated by `hf-dspark eval`; do not edit by hand -->",
         "# DSpark evaluation report", "",
         f"- Target: {models.get('target', '?')}; DSpark drafter: {models.get('drafter', '?')}"
@@ -348,157 +396,166 @@ def render_markdown(report: dict, plots: dict[str, Path], base: Path) -> str:
         "with the whole block verified every round; position-wise acceptance = P(draft k accepted | drafts 1..k-1 "
         "accepted); speed = tokens/s ratio to plain `generate()` on the same prompts in the same run.", "",
     ]
-    if report.get("missing"):
-        phases = " ".join(p for p in PHASES if any(name.startswith(f"{p}-") for name in report["missing"]))
-        lines += [f"**Incomplete**: {len(report['missing'])} units not run yet: {', '.join(report['missing'])}. "
-                  f"Re-run the command with `--phases {phases}` to finish them.", ""]
-    for t, entry in report["temperatures"].items():
-        lines += [f"## Temperature {t}", ""]
-        acc = entry.get("acceptance")
-        if acc:
-            methods = list(acc["all"])
-            lines += ["### Accepted length tau", "", "| group | " + " | ".join(methods)
-                      + (" | DSpark / DFlash |" if "tau_ratio_dspark_over_dflash" in acc else " |"),
-                      "|---|" + "---|" * (len(methods) + ("tau_ratio_dspark_over_dflash" in acc))]
-            ratio = acc.get("tau_ratio_dspark_over_dflash", {})
-            rows = [(f"set: {k}", v, ratio.get("sets", {}).get(k)) for k, v in acc["sets"].items()]
-            rows += [(f"domain: {k}", v, None) for k, v in acc["domains"].items()]
-            for name, per, r in rows:
-                cells = [_fmt(per.get(m, {}).get("accepted_length")) for m in methods]
-                lines.append(f"| {name} | " + " | ".join(cells) + ((f" | {_fmt(r)}x |" if r else " | - |") if ratio else " |"))
-            cells = [_fmt(acc["macro"][m]["accepted_length"]) for m in methods]
-            lines.append("| **macro over sets** | " + " | ".join(cells)
-                         + (f" | **{_fmt(ratio.get('macro'))}x** |" if ratio else " |"))
-            lines += ["", "### Position-wise conditional acceptance", "",
-                      "| method | group | " + " | ".join(f"k={k}" for k in range(1, models["block_size"] + 1)) + " |",
-                      "|---|---|" + "---|" * models["block_size"]]
-            for group, per in [("all", acc["all"]), *((f"domain: {d}", v) for d, v in acc["domains"].items())]:
-                for m in methods:
-                    pa = per.get(m, {}).get("position_acceptance") or []
-                    lines.append(f"| {m} | {group} | " + " | ".join(_fmt(x) for x in pa) + " |")
-            if f"position_acceptance_t{t}" in plots:
-                lines += ["", f"![position-wise acceptance]({rel(plots[f'position_acceptance_t{t}'])})"]
-            lines.append("")
-        sweep = entry.get("threshold_sweep")
-        if sweep:
-            kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
-            lines += [f"### Static confidence-threshold sweep ({kind} confidences, whole-block rounds replayed)", "",
-                      "| group | threshold | verified / round | accepted / round | acceptance rate | tau |",
-                      "|---|---|---|---|---|---|"]
-            for group, rows in sweep.items():
-                for row in rows[kind]:
-                    lines.append(f"| {group} | {row['threshold']:g} | {_fmt(row['verified_per_round'])} | "
-                                 f"{_fmt(row['accepted_per_round'])} | {_fmt(row['acceptance_rate'], 3)} | "
-                                 f"{_fmt(row['accepted_length'])} |")
-            if f"threshold_sweep_t{t}" in plots:
-                lines += ["", f"![threshold sweep]({rel(plots[f'threshold_sweep_t{t}'])})"]
-            lines.append("")
-        cal = entry.get("calibration")
-        if cal:
-            lines += ["### Calibration of the prefix survival a_k", "",
-                      "| k | samples | ECE raw | ECE after STS | ROC-AUC |", "|---|---|---|---|---|"]
-            for k, (n, e0, e1, auc) in enumerate(zip(cal["num_samples"], cal["ece_raw"], cal["ece_calibrated"],
-                                                     cal["auc"]), 1):
-                lines.append(f"| {k} | {n} | {_fmt(e0, 4)} | {_fmt(e1, 4)} | {_fmt(auc, 3)} |")
-            if f"reliability_t{t}" in plots:
-                lines += ["", f"![reliability]({rel(plots[f'reliability_t{t}'])})"]
-            lines.append("")
-        speed = entry.get("speed")
-        if speed:
-            methods = list(speed["all"])
-            lines += ["### Speed (tokens/s, ratio to plain generate() in the same run)", "",
-                      "| group | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-            for name, per in [*((f"set: {k}", v) for k, v in speed["sets"].items()),
-                              *((f"domain: {k}", v) for k, v in speed["domains"].items()), ("all", speed["all"])]:
-                cells = []
-                for m in methods:
-                    r = per.get(m)
-                    cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} ({_fmt(r['speedup'])}x"
-                                 + (f", tau {r['accepted_length']:.2f})" if r.get("accepted_length") else ")"))
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-            for method, reason in speed.get("not_run", {}).items():
-                lines.append(f"\nNot run: {method}: {reason}.")
-            if f"speed_t{t}" in plots:
-                lines += ["", f"![speed]({rel(plots[f'speed_t{t}'])})"]
-            lines.append("")
-    return "\n".join(lines) + "\n"
+
+
+def _section_end(plots: dict[str, Path], key: str, alt: str, base: Path) -> list[str]:
+    """A section's closing lines: its plot ``plots[key]`` (linked relative to ``base``) if there is one, then a blank
+    line."""
+    figure = ["", f"![{alt}]({os.path.relpath(plots[key], base)})"] if key in plots else []
+    return figure + [""]
+
+
+def _acceptance_lines(acc: dict, block_size: int) -> list[str]:
+    """Accepted length tau per prompt set and domain (with DSpark over DFlash where the ablation ran), then
+    position-wise conditional acceptance per method and domain."""
+    methods = list(acc["all"])
+    ratio = acc.get("tau_ratio_dspark_over_dflash", {})
+    lines = ["### Accepted length tau", "", "| group | " + " | ".join(methods)
+             + (" | DSpark / DFlash |" if "tau_ratio_dspark_over_dflash" in acc else " |"),
+             "|---|" + "---|" * (len(methods) + ("tau_ratio_dspark_over_dflash" in acc))]
+    rows = [(f"set: {k}", v, ratio.get("sets", {}).get(k)) for k, v in acc["sets"].items()]
+    rows += [(f"domain: {k}", v, None) for k, v in acc["domains"].items()]
+    for name, per, r in rows:
+        cells = [_fmt(per.get(m, {}).get("accepted_length")) for m in methods]
+        lines.append(f"| {name} | " + " | ".join(cells) + ((f" | {_fmt(r)}x |" if r else " | - |") if ratio else " |"))
+    cells = [_fmt(acc["macro"][m]["accepted_length"]) for m in methods]
+    lines.append("| **macro over sets** | " + " | ".join(cells)
+                 + (f" | **{_fmt(ratio.get('macro'))}x** |" if ratio else " |"))
+    lines += ["", "### Position-wise conditional acceptance", "",
+              "| method | group | " + " | ".join(f"k={k}" for k in range(1, block_size + 1)) + " |",
+              "|---|---|" + "---|" * block_size]
+    for group, per in [("all", acc["all"]), *((f"domain: {d}", v) for d, v in acc["domains"].items())]:
+        for m in methods:
+            pa = per.get(m, {}).get("position_acceptance") or []
+            lines.append(f"| {m} | {group} | " + " | ".join(_fmt(x) for x in pa) + " |")
+    return lines
+
+
+def _threshold_sweep_lines(sweep: dict) -> list[str]:
+    """Per group and static threshold: drafts verified and accepted per round, acceptance rate and tau (calibrated
+    confidences where the sweep has them)."""
+    kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
+    lines = [f"### Static confidence-threshold sweep ({kind} confidences, whole-block rounds replayed)", "",
+             "| group | threshold | verified / round | accepted / round | acceptance rate | tau |",
+             "|---|---|---|---|---|---|"]
+    for group, rows in sweep.items():
+        for row in rows[kind]:
+            lines.append(f"| {group} | {row['threshold']:g} | {_fmt(row['verified_per_round'])} | "
+                         f"{_fmt(row['accepted_per_round'])} | {_fmt(row['acceptance_rate'], 3)} | "
+                         f"{_fmt(row['accepted_length'])} |")
+    return lines
+
+
+def _calibration_lines(cal: dict) -> list[str]:
+    """Per draft position: samples, ECE before and after STS, ROC-AUC."""
+    lines = ["### Calibration of the prefix survival a_k", "",
+             "| k | samples | ECE raw | ECE after STS | ROC-AUC |", "|---|---|---|---|---|"]
+    for k, (n, e0, e1, auc) in enumerate(zip(cal["num_samples"], cal["ece_raw"], cal["ece_calibrated"],
+                                             cal["auc"]), 1):
+        lines.append(f"| {k} | {n} | {_fmt(e0, 4)} | {_fmt(e1, 4)} | {_fmt(auc, 3)} |")
+    return lines
+
+
+def _speed_lines(speed: dict) -> list[str]:
+    """Tokens/s per method and group, each with its ratio to plain ``generate()`` (and tau), then the methods not
+    run and why."""
+    methods = list(speed["all"])
+    lines = ["### Speed (tokens/s, ratio to plain generate() in the same run)", "",
+             "| group | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for name, per in [*((f"set: {k}", v) for k, v in speed["sets"].items()),
+                      *((f"domain: {k}", v) for k, v in speed["domains"].items()), ("all", speed["all"])]:
+        cells = []
+        for m in methods:
+            r = per.get(m)
+            cells.append("-" if r is None else f"{r['tokens_per_s']:.1f} ({_fmt(r['speedup'])}x"
+                         + (f", tau {r['accepted_length']:.2f})" if r.get("accepted_length") else ")"))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for method, reason in speed.get("not_run", {}).items():
+        lines.append(f"\nNot run: {method}: {reason}.")
+    return lines
 
 
 def write_plots(report: dict, output: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The report's PNG plots in ``output``, per temperature: position-wise acceptance, the threshold sweep, the
+    reliability diagram and speed, each where the report has its section; returns ``{name: path}``."""
+    plt = pyplot()
     plots: dict[str, Path] = {}
-    g = report["models"]["block_size"]
     for t, entry in report["temperatures"].items():
-        acc = entry.get("acceptance")
-        if acc:
-            groups = list(acc["domains"].items()) or [("all", acc["all"])]
-            fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3), sharey=True, squeeze=False)
-            for ax, (domain, per) in zip(axes[0], groups):
-                for method, r in per.items():
-                    ys = [y for y in r.get("position_acceptance") or []]
-                    ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o",
-                            label=method)
-                ax.set_title(f"{domain} (T={t})")
-                ax.set_xlabel("draft position k")
-                ax.set_xticks(range(1, g + 1))
-                ax.set_ylim(0, 1)
-            axes[0][0].set_ylabel("P(accept k | 1..k-1 accepted)")
-            axes[0][0].legend()
-            fig.tight_layout()
-            plots[f"position_acceptance_t{t}"] = _save(fig, output / f"position_acceptance_t{t}.png")
-        sweep = entry.get("threshold_sweep")
-        if sweep:
-            kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
-            fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
-            for group, rows in sweep.items():
-                xs = [r["threshold"] for r in rows[kind]]
-                ax1.plot(xs, [r["verified_per_round"] for r in rows[kind]], marker=".", label=f"{group} verified")
-                ax1.plot(xs, [r["accepted_per_round"] for r in rows[kind]], ls="--", label=f"{group} accepted")
-                ax2.plot(xs, [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"]
-                              for r in rows[kind]], marker=".", label=group)
-            ax1.set_xlabel("confidence threshold")
-            ax1.set_ylabel("tokens per round")
-            ax2.set_xlabel("confidence threshold")
-            ax2.set_ylabel("acceptance rate")
-            ax2.set_ylim(0, 1)
-            ax1.legend(fontsize=6)
-            ax2.legend(fontsize=6)
-            fig.suptitle(f"static threshold sweep (T={t}, {kind} confidences)")
-            fig.tight_layout()
-            plots[f"threshold_sweep_t{t}"] = _save(fig, output / f"threshold_sweep_t{t}.png")
+        if entry.get("acceptance"):
+            plots[f"position_acceptance_t{t}"] = _plot_position_acceptance(
+                plt, entry["acceptance"], t, report["models"]["block_size"], output / f"position_acceptance_t{t}.png")
+        if entry.get("threshold_sweep"):
+            plots[f"threshold_sweep_t{t}"] = _plot_threshold_sweep(plt, entry["threshold_sweep"], t,
+                                                                   output / f"threshold_sweep_t{t}.png")
         if entry.get("calibration"):
-            units = _load_units(output)
-            r = _merge(result for u in units if u["phase"] == "quality" and str(u["temperature"]) == t
-                       for result in u["results"].get("dspark", {}).values())
-            plots[f"reliability_t{t}"] = reliability_diagram(
-                metrics.rounds_with_confidences(r.confidence_logits, r.verified, r.accepted), entry["calibration"]["temperatures"],
-                output / f"reliability_t{t}.png")
-        speed = entry.get("speed")
-        if speed:
-            groups = list(speed["domains"].items()) + [("all", speed["all"])]
-            methods = [m for m in speed["all"] if m != "plain"]
-            fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(groups) * max(1, len(methods)) / 3, 3))
-            width = 0.8 / max(1, len(methods))
-            for i, m in enumerate(methods):
-                ax.bar([j + i * width for j in range(len(groups))],
-                       [per.get(m, {}).get("speedup") or 0.0 for _, per in groups], width, label=m)
-            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [name for name, _ in groups])
-            ax.set_ylabel("speedup vs plain generate()")
-            ax.set_title(f"speed (T={t})")
-            ax.legend(fontsize=6)
-            fig.tight_layout()
-            plots[f"speed_t{t}"] = _save(fig, output / f"speed_t{t}.png")
+            plots[f"reliability_t{t}"] = _plot_reliability(output, t, entry["calibration"]["temperatures"])
+        if entry.get("speed"):
+            plots[f"speed_t{t}"] = _plot_speed(plt, entry["speed"], t, output / f"speed_t{t}.png")
     return plots
 
 
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+def _plot_position_acceptance(plt, acc: dict, t: str, g: int, path: Path) -> Path:
+    """P(accept k | 1..k-1 accepted) against k, one panel per domain (or one for all), a line per method."""
+    groups = list(acc["domains"].items()) or [("all", acc["all"])]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3), sharey=True, squeeze=False)
+    for ax, (domain, per) in zip(axes[0], groups):
+        for method, r in per.items():
+            ys = r.get("position_acceptance") or []
+            ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker="o",
+                    label=method)
+        ax.set_title(f"{domain} (T={t})")
+        ax.set_xlabel("draft position k")
+        ax.set_xticks(range(1, g + 1))
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("P(accept k | 1..k-1 accepted)")
+    axes[0][0].legend()
+    return save_figure(fig, path, dpi=110)
 
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+
+def _plot_threshold_sweep(plt, sweep: dict, t: str, path: Path) -> Path:
+    """Drafts verified and accepted per round (left) and the acceptance rate (right) against the static threshold,
+    per group."""
+    kind = "calibrated" if "calibrated" in sweep["all"] else "raw"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+    for group, rows in sweep.items():
+        xs = [r["threshold"] for r in rows[kind]]
+        ax1.plot(xs, [r["verified_per_round"] for r in rows[kind]], marker=".", label=f"{group} verified")
+        ax1.plot(xs, [r["accepted_per_round"] for r in rows[kind]], ls="--", label=f"{group} accepted")
+        ax2.plot(xs, [float("nan") if r["acceptance_rate"] is None else r["acceptance_rate"]
+                      for r in rows[kind]], marker=".", label=group)
+    ax1.set_xlabel("confidence threshold")
+    ax1.set_ylabel("tokens per round")
+    ax2.set_xlabel("confidence threshold")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1)
+    ax1.legend(fontsize=6)
+    ax2.legend(fontsize=6)
+    fig.suptitle(f"static threshold sweep (T={t}, {kind} confidences)")
+    return save_figure(fig, path, dpi=110)
+
+
+def _plot_reliability(output: Path, t: str, temperatures: list[float] | None) -> Path:
+    """The reliability diagram (``calibration.reliability_diagram``) of the DSpark drafter's quality rounds at
+    temperature ``t``, read back from the units in ``output``."""
+    units = _load_units(output)
+    r = _merge(result for u in units if u["phase"] == "quality" and str(u["temperature"]) == t
+               for result in u["results"].get("dspark", {}).values())
+    return reliability_diagram(metrics.rounds_with_confidences(r.confidence_logits, r.verified, r.accepted),
+                               temperatures, output / f"reliability_t{t}.png")
+
+
+def _plot_speed(plt, speed: dict, t: str, path: Path) -> Path:
+    """Each accelerated method's speedup over plain ``generate()``, bars per domain and for all prompts."""
+    groups = list(speed["domains"].items()) + [("all", speed["all"])]
+    methods = [m for m in speed["all"] if m != "plain"]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(groups) * max(1, len(methods)) / 3, 3))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ax.bar([j + i * width for j in range(len(groups))],
+               [per.get(m, {}).get("speedup") or 0.0 for _, per in groups], width, label=m)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [name for name, _ in groups])
+    ax.set_ylabel("speedup vs plain generate()")
+    ax.set_title(f"speed (T={t})")
+    ax.legend(fontsize=6)
+    return save_figure(fig, path, dpi=110)

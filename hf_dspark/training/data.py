@@ -101,18 +101,51 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
     ``num_workers`` processes with distinct ``worker_index`` split the shards (shard i goes to worker i mod n), so
     several single-threaded workers can share a machine's cores without duplicating work. With ``time_budget_s`` no
     shard starts once that many seconds have passed (finished shards are kept; re-running continues)."""
-    if not 0 <= worker_index < num_workers:
-        raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
-    if time_budget_s is not None and time_budget_s <= 0:
-        raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
+    _check_worker_split(worker_index, num_workers, time_budget_s)
     from tqdm.auto import tqdm
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = output_dir / "manifest.json"
     records = load_prompts(settings.prompt_paths)
     excluded = excluded_prompt_ids(settings.exclude)
     records = [r for r in records if r["id"] not in excluded]
+    _pin_manifest(output_dir, settings, excluded)
+    records = sample_prompts(records, settings.max_prompts, settings.sampling, settings.seed)
+    shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
+    done = {p.name for p in output_dir.glob("shard-*.jsonl")}
+    mine = [i for i in range(len(shards)) if i % num_workers == worker_index]
+    todo = [i for i in mine if f"shard-{i:05d}.jsonl" not in done]
+    log_file = output_dir / ("progress.log" if num_workers == 1 else f"progress-worker{worker_index}.log")
+    bar = tqdm(total=sum(len(shards[i]) for i in mine), initial=sum(len(shards[i]) for i in mine if i not in todo),
+               desc="regenerate", unit="prompt", disable=not progress)
+    started, new_lines = time.time(), 0
+    for index in todo:
+        if time_budget_s is not None and time.time() - started >= time_budget_s:
+            logger.info("time budget of %.0f s spent: stopping before shard %d", time_budget_s, index)
+            break
+        lines = _regenerate_shard(target, tokenizer, shards[index], settings, settings.seed + index)
+        _write_shard(output_dir / f"shard-{index:05d}.jsonl", lines)
+        new_lines += len(lines)
+        bar.update(len(shards[index]))
+        _log_shard_done(log_file, index, bar, started, len(records))
+    bar.close()
+    finished = sorted(output_dir.glob("shard-*.jsonl"))
+    return {"output_dir": str(output_dir), "shards": len(finished), "shards_total": len(shards),
+            "new_sequences": new_lines, "elapsed_s": time.time() - started}
+
+
+def _check_worker_split(worker_index: int, num_workers: int, time_budget_s: float | None) -> None:
+    """Refuse a worker index outside ``[0, num_workers)`` or a time budget that is not positive."""
+    if not 0 <= worker_index < num_workers:
+        raise ValueError(f"worker_index must be in [0, {num_workers}), got {worker_index}")
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise ValueError(f"time_budget_s must be > 0 seconds, got {time_budget_s}")
+
+
+def _pin_manifest(output_dir: Path, settings: RegenerationSettings, excluded: set[str]) -> None:
+    """Write ``manifest.json`` for a new folder; for one already started, refuse settings or excluded prompt ids
+    that differ from those it was started with."""
+    manifest_path = output_dir / "manifest.json"
     manifest = {"settings": asdict(settings), "format": "hf-dspark-regenerated-v1"}
     if excluded:
         # the exclusion lists may grow (another regeneration still running): pin the ids this folder left out
@@ -129,37 +162,24 @@ def regenerate(target, tokenizer, output_dir: str | Path, settings: Regeneration
                              "files given to exclude have changed since); use a new folder")
     else:
         write_atomic(manifest_path, json.dumps(manifest, indent=2))
-    records = sample_prompts(records, settings.max_prompts, settings.sampling, settings.seed)
-    shards = [records[i : i + settings.shard_size] for i in range(0, len(records), settings.shard_size)]
-    done = {p.name for p in output_dir.glob("shard-*.jsonl")}
-    mine = [i for i in range(len(shards)) if i % num_workers == worker_index]
-    todo = [i for i in mine if f"shard-{i:05d}.jsonl" not in done]
-    log_file = output_dir / ("progress.log" if num_workers == 1 else f"progress-worker{worker_index}.log")
-    bar = tqdm(total=sum(len(shards[i]) for i in mine), initial=sum(len(shards[i]) for i in mine if i not in todo),
-               desc="regenerate", unit="prompt", disable=not progress)
-    started, new_lines = time.time(), 0
-    for index in todo:
-        if time_budget_s is not None and time.time() - started >= time_budget_s:
-            logger.info("time budget of %.0f s spent: stopping before shard %d", time_budget_s, index)
-            break
-        lines = _regenerate_shard(target, tokenizer, shards[index], settings, settings.seed + index)
-        final = output_dir / f"shard-{index:05d}.jsonl"
-        tmp = final.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
-        publish(tmp, final)
-        new_lines += len(lines)
-        bar.update(len(shards[index]))
-        rate = bar.n / max(bar.format_dict.get("elapsed", 1e-9), 1e-9)
-        with open(log_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": time.time(), "shard": index, "prompts_done": bar.n,
-                                "prompts_total": bar.total, "elapsed_s": time.time() - started}) + "\n")
-        logger.info("shard %d done (%d/%d prompts, %.2f prompts/s)", index, bar.n, len(records), rate)
-    bar.close()
-    finished = sorted(output_dir.glob("shard-*.jsonl"))
-    return {"output_dir": str(output_dir), "shards": len(finished), "shards_total": len(shards),
-            "new_sequences": new_lines, "elapsed_s": time.time() - started}
+
+
+def _write_shard(final: Path, lines: list[dict]) -> None:
+    """One JSON line per record, written to a temp file and put in place as ``final`` once complete."""
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    publish(tmp, final)
+
+
+def _log_shard_done(log_file: Path, index: int, bar, started: float, num_prompts: int) -> None:
+    """Append the progress after shard ``index`` to ``log_file`` and report it with the rate so far."""
+    rate = bar.n / max(bar.format_dict.get("elapsed", 1e-9), 1e-9)
+    with open(log_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"time": time.time(), "shard": index, "prompts_done": bar.n,
+                            "prompts_total": bar.total, "elapsed_s": time.time() - started}) + "\n")
+    logger.info("shard %d done (%d/%d prompts, %.2f prompts/s)", index, bar.n, num_prompts, rate)
 
 
 def load_sequences(shards: list[str], max_length: int) -> list[dict]:

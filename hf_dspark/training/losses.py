@@ -247,42 +247,70 @@ def dspark_losses(
     weights = {**DEFAULT_LOSS_WEIGHTS, **(weights or {})}
     w = position_weights(labels.shape[-1], gamma, labels.device) * valid.float()  # [b, A, g]
     denom = w.sum().clamp(min=1e-6)
-    target = target_logits if isinstance(target_logits, TargetView) else TargetView.from_logits(target_logits,
-                                                                                                 draft_vocab)
-    if target.shape != draft_logits.shape:
-        raise ValueError(f"target probabilities {tuple(target.shape)} do not match the draft logits "
-                         f"{tuple(draft_logits.shape)}: the target view must cover the drafter's output vocabulary")
-    outside = target.outside
-    draft_labels, in_vocab = labels, torch.ones_like(valid)
-    if draft_vocab is not None:
-        vocab_size = max(int(draft_vocab.max()), int(labels.max())) + 1
-        lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
-        lookup[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
-        draft_labels = lookup[labels]
-        in_vocab = draft_labels >= 0
-        draft_labels = draft_labels.clamp(min=0)
+    target = _covering_target_view(target_logits, draft_vocab, draft_logits.shape)
+    draft_labels, in_vocab = _draft_vocab_labels(labels, valid, draft_vocab)
     terms = _compiled_vocab_terms() if compiled else vocab_terms
     ce, l1, predicted = terms(draft_logits, target.probs, draft_labels, target.rows, sequential_bias)
     ce_w = w * in_vocab.float()
-    l1 = l1 + outside
+    l1 = l1 + target.outside
     out = {"ce": (ce * ce_w).sum() / ce_w.sum().clamp(min=1e-6), "tv": (l1 * w).sum() / denom}
     total = weights["ce"] * out["ce"] + weights["tv"] * out["tv"]
-    with torch.no_grad():
-        if draft_vocab is not None:
-            predicted = draft_vocab[predicted]
-        out["accuracy"] = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
-        # Greedy acceptance events with teacher-forced previous tokens: the draft's argmax is the target's argmax.
-        out["greedy_matches"] = (predicted == target.argmax) & valid
+    out.update(_token_matches(predicted, labels, valid, target.argmax, draft_vocab))
     if confidence_logits is not None:
-        if confidence_target == "greedy":
-            label = out["greedy_matches"].float()
-        else:
-            label = (1 - 0.5 * l1).clamp(0, 1).detach()
-        bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), label, reduction="none")
-        out["confidence"] = (bce * w).sum() / denom
+        out["confidence"] = _confidence_loss(confidence_logits, confidence_target, out["greedy_matches"], l1, w, denom)
         total = total + weights["confidence"] * out["confidence"]
     out["loss"] = total
     return out
+
+
+def _covering_target_view(target_logits: torch.Tensor | TargetView, draft_vocab: torch.Tensor | None,
+                          draft_shape: torch.Size) -> TargetView:
+    """``target_logits`` as a ``TargetView`` over the draft vocabulary, refused unless it matches the draft logits'
+    shape ``draft_shape``."""
+    target = target_logits if isinstance(target_logits, TargetView) else TargetView.from_logits(target_logits,
+                                                                                                 draft_vocab)
+    if target.shape != draft_shape:
+        raise ValueError(f"target probabilities {tuple(target.shape)} do not match the draft logits "
+                         f"{tuple(draft_shape)}: the target view must cover the drafter's output vocabulary")
+    return target
+
+
+def _draft_vocab_labels(labels: torch.Tensor, valid: torch.Tensor,
+                        draft_vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``labels`` [b, A, g] as indices into the draft vocabulary (0 where a label lies outside it) and whether each
+    lies inside it; without a draft vocabulary, the labels themselves and all true."""
+    if draft_vocab is None:
+        return labels, torch.ones_like(valid)
+    vocab_size = max(int(draft_vocab.max()), int(labels.max())) + 1
+    lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+    lookup[draft_vocab] = torch.arange(draft_vocab.numel(), device=labels.device)
+    draft_labels = lookup[labels]
+    in_vocab = draft_labels >= 0
+    return draft_labels.clamp(min=0), in_vocab
+
+
+@torch.no_grad()
+def _token_matches(predicted: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, target_argmax: torch.Tensor,
+                   draft_vocab: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """``"accuracy"`` of the draft's argmax ``predicted`` (draft-vocabulary indices when ``draft_vocab`` is given)
+    against ``labels`` over valid positions, and ``"greedy_matches"``: greedy acceptance events with teacher-forced
+    previous tokens, where the draft's argmax is the target's argmax."""
+    if draft_vocab is not None:
+        predicted = draft_vocab[predicted]
+    accuracy = ((predicted == labels).float() * valid.float()).sum() / valid.float().sum().clamp(min=1)
+    return {"accuracy": accuracy, "greedy_matches": (predicted == target_argmax) & valid}
+
+
+def _confidence_loss(confidence_logits: torch.Tensor, confidence_target: str, greedy_matches: torch.Tensor,
+                     l1: torch.Tensor, w: torch.Tensor, denom: torch.Tensor) -> torch.Tensor:
+    """BCE of the confidence head against ``confidence_target``'s label (``greedy_matches``, or the analytic
+    acceptance rate ``1 - 0.5 * l1``), averaged with the position weights ``w`` over ``denom``."""
+    if confidence_target == "greedy":
+        label = greedy_matches.float()
+    else:
+        label = (1 - 0.5 * l1).clamp(0, 1).detach()
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), label, reduction="none")
+    return (bce * w).sum() / denom
 
 
 def leading_matches(matches: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

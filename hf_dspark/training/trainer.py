@@ -151,26 +151,32 @@ def epoch_order(num_sequences: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
+def _make_accelerator(args: TrainingArguments):
+    """The resolved mixed precision and the ``Accelerator`` of a run (after applying ``args.threads``)."""
+    from accelerate import Accelerator
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and keep_freed_memory():
+        logger.info("glibc keeps freed memory for reuse (no fresh pages per step)")
+    mixed_precision = resolve_mixed_precision(args.mixed_precision, device)
+    accelerator = Accelerator(
+        mixed_precision=mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
+    )
+    if args.mixed_precision == "auto":
+        logger.info("mixed precision: %s (%s bfloat16 products on %s)", mixed_precision,
+                    "native" if mixed_precision == "bf16" else "no native", device)
+    return mixed_precision, accelerator
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ------------------------------------------------------------------------------------------------------------------
 class DSparkTrainer:
     def __init__(self, args: TrainingArguments, target=None, tokenizer=None):
-        from accelerate import Accelerator
-
         self.args = args
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cpu" and keep_freed_memory():
-            logger.info("glibc keeps freed memory for reuse (no fresh pages per step)")
-        self.mixed_precision = resolve_mixed_precision(args.mixed_precision, device)
-        self.accelerator = Accelerator(
-            mixed_precision=self.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps
-        )
-        if args.mixed_precision == "auto":
-            logger.info("mixed precision: %s (%s bfloat16 products on %s)", self.mixed_precision,
-                        "native" if self.mixed_precision == "bf16" else "no native", device)
+        self.mixed_precision, self.accelerator = _make_accelerator(args)
         self.output_dir = Path(args.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.resume_dir = latest_checkpoint(self.output_dir)  # None: a new run
@@ -179,31 +185,11 @@ class DSparkTrainer:
             target, tokenizer = _load_target(args.target, args.target_dtype)
         self.target = target.to(self.accelerator.device).eval().requires_grad_(False)
         self.tokenizer = tokenizer
-        self.drafter = self._build_drafter(state)
-        self.drafter.attach_target(self.target)
-        if not state and args.init_drafter:
-            self._keep_init_card()
-        self.peft_model = self._apply_lora(state) if args.lora else None
-        if args.train_modules:
-            self._freeze_except(args.train_modules)
-        self.drafter.train()
-        self.shards = state["shards"] if state else list_shards(args.data_dirs)
-        self.sequences = load_sequences(self.shards, args.max_length)
-        self.features = None
-        if args.features_dir:
-            self.features = FeatureStore(args.features_dir, self.shards, self.drafter.config.target_layer_ids,
-                                         args.max_length)
-        self.eval_sequences = self._load_eval_sequences() if args.eval_data_dirs else None
+        self._set_up_drafter(state)
+        self._load_data(state)
         if not state and not args.init_drafter and self.drafter.draft_vocab is not None:
-            vocab, coverage = frequent_tokens(self.sequences, args.draft_vocab_size, self._special_ids())
-            self.drafter.set_draft_vocab(vocab)
-            self.draft_vocab_coverage = coverage
-            logger.info("draft vocabulary: %d tokens cover %.2f%% of response tokens", len(vocab), 100 * coverage)
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        # The fused AdamW updates every tensor in one kernel per step (CPU and CUDA; the same arithmetic).
-        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-        self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                           betas=(0.9, 0.95), fused=fused or None)
+            self._choose_draft_vocab()
+        self.optimizer = self._build_optimizer()
         if args.torch_compile:
             for layer in self.drafter.layers:  # regional compilation: the layers compiled, the rest eager
                 layer.compile()
@@ -326,6 +312,32 @@ class DSparkTrainer:
                         self.args.init_layers_from_target, kept)
         return drafter
 
+    def _set_up_drafter(self, state: dict | None) -> None:
+        """The drafter (resumed, loaded or new) attached to the target, with LoRA adapters or frozen modules as the
+        arguments ask, in training mode."""
+        self.drafter = self._build_drafter(state)
+        self.drafter.attach_target(self.target)
+        if not state and self.args.init_drafter:
+            self._keep_init_card()
+        self.peft_model = self._apply_lora(state) if self.args.lora else None
+        if self.args.train_modules:
+            self._freeze_except(self.args.train_modules)
+        self.drafter.train()
+
+    def _choose_draft_vocab(self) -> None:
+        """Give a new drafter the draft vocabulary of the tokens most frequent in the training responses."""
+        vocab, coverage = frequent_tokens(self.sequences, self.args.draft_vocab_size, self._special_ids())
+        self.drafter.set_draft_vocab(vocab)
+        self.draft_vocab_coverage = coverage
+        logger.info("draft vocabulary: %d tokens cover %.2f%% of response tokens", len(vocab), 100 * coverage)
+
+    def _build_optimizer(self) -> torch.optim.AdamW:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        # The fused AdamW updates every tensor in one kernel per step (CPU and CUDA; the same arithmetic).
+        fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+        return torch.optim.AdamW(params, lr=self.args.learning_rate, weight_decay=self.args.weight_decay,
+                                 betas=(0.9, 0.95), fused=fused or None)
+
     def _trains_confidence_head(self) -> bool:
         if self.args.lora or not self.args.enable_confidence_head:
             return False
@@ -393,6 +405,17 @@ class DSparkTrainer:
         return result
 
     # -- data --------------------------------------------------------------------------------------------------
+    def _load_data(self, state: dict | None) -> None:
+        """The training sequences (from the shards a resumed run started with), the features cache if given, and
+        the held-out sequences if given."""
+        self.shards = state["shards"] if state else list_shards(self.args.data_dirs)
+        self.sequences = load_sequences(self.shards, self.args.max_length)
+        self.features = None
+        if self.args.features_dir:
+            self.features = FeatureStore(self.args.features_dir, self.shards, self.drafter.config.target_layer_ids,
+                                         self.args.max_length)
+        self.eval_sequences = self._load_eval_sequences() if self.args.eval_data_dirs else None
+
     def _next_batch(self) -> dict[str, torch.Tensor]:
         per_step = self.args.batch_size * self.accelerator.num_processes
         order = epoch_order(len(self.sequences), self.args.seed, self.epoch)
@@ -517,44 +540,15 @@ class DSparkTrainer:
         while self.step < min(args.max_steps, stop_at_step or args.max_steps):
             generator.manual_seed(args.seed * 7919 + self.step)  # anchors depend only on (seed, step): exact resume
             for _ in range(args.gradient_accumulation_steps):
-                clock = self._clock()
-                batch = {k: v.to(self.accelerator.device) for k, v in self._next_batch().items()}
-                features, last_hidden, lse, argmax = self._target_features(batch)
-                clock = _lap(phases, "target", clock, self._clock())
-                with self.accelerator.accumulate(self.loss_module), self.accelerator.autocast():
-                    losses = self.loss_module(features, last_hidden, batch["input_ids"], batch["loss_mask"], generator,
-                                              lse, argmax)
-                    self.accelerator.backward(losses["loss"])
-                    clock = _lap(phases, "drafter", clock, self._clock())
-                    if self.accelerator.sync_gradients:
-                        self.accelerator.clip_grad_norm_(self.loss_module.parameters(), args.max_grad_norm)
-                    self.optimizer.step()
-                    self.optimizer.zero_grad()
-                    _lap(phases, "optimizer", clock, self._clock())
-                for k, v in losses.items():
-                    if v.dim() == 0:
-                        totals[k] = totals.get(k, 0.0) + float(v.detach())
-                totals["blocks"] = totals.get("blocks", 0.0) + float(losses["valid"].any(-1).sum())
-                totals["n"] = totals.get("n", 0) + 1
+                _add_losses(totals, self._micro_step(generator, phases))
             self.scheduler.step()
             self.step += 1
             bar.update(1)
             if self.step % args.log_every == 0 or self.step == args.max_steps:
-                n, blocks = totals.pop("n"), totals.pop("blocks")
-                last = {k: v / n for k, v in totals.items()}
-                last.update(step=self.step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch,
-                            elapsed_s=self._elapsed(), **throughput(blocks, phases))
+                last = self._train_summary(totals, phases)
                 totals, phases = {}, dict.fromkeys(PHASES, 0.0)
                 if self.accelerator.is_main_process:
-                    with open(log_path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(last) + "\n")
-                    if writer is not None:
-                        for k, v in last.items():
-                            if isinstance(v, float):
-                                writer.add_scalar(f"train/{k}", v, self.step)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
-                                    blocks_s=f"{last['blocks_per_s']:.0f}",
-                                    split="/".join(f"{100 * last[f'time_{k}']:.0f}" for k in PHASES))
+                    _write_train_log(last, log_path, writer, bar)
             if self.eval_sequences and ((args.eval_every and self.step % args.eval_every == 0)
                                         or self.step == args.max_steps):
                 self._log_eval(writer)
@@ -567,6 +561,39 @@ class DSparkTrainer:
             return {"step": self.step, "paused": True, **last}
         if writer is not None:
             writer.close()
+        return {"step": self.step, "final": str(self._save_final_drafter()), **last}
+
+    def _micro_step(self, generator: torch.Generator, phases: dict[str, float]) -> dict[str, torch.Tensor]:
+        """One micro-batch: target features, the drafter's losses and backward, and the optimizer step once the
+        accumulated gradients sync (clipped first); each phase's time is added to ``phases``. Returns the losses."""
+        clock = self._clock()
+        batch = {k: v.to(self.accelerator.device) for k, v in self._next_batch().items()}
+        features, last_hidden, lse, argmax = self._target_features(batch)
+        clock = _lap(phases, "target", clock, self._clock())
+        with self.accelerator.accumulate(self.loss_module), self.accelerator.autocast():
+            losses = self.loss_module(features, last_hidden, batch["input_ids"], batch["loss_mask"], generator,
+                                      lse, argmax)
+            self.accelerator.backward(losses["loss"])
+            clock = _lap(phases, "drafter", clock, self._clock())
+            if self.accelerator.sync_gradients:
+                self.accelerator.clip_grad_norm_(self.loss_module.parameters(), self.args.max_grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            _lap(phases, "optimizer", clock, self._clock())
+        return losses
+
+    def _train_summary(self, totals: dict[str, float], phases: dict[str, float]) -> dict:
+        """The log line of the steps since the last one: mean losses, learning rate, position, elapsed time and
+        throughput."""
+        n, blocks = totals.pop("n"), totals.pop("blocks")
+        last = {k: v / n for k, v in totals.items()}
+        last.update(step=self.step, lr=self.scheduler.get_last_lr()[0], epoch=self.epoch,
+                    elapsed_s=self._elapsed(), **throughput(blocks, phases))
+        return last
+
+    def _save_final_drafter(self) -> Path:
+        """Save the trained drafter (LoRA: the adapter, and the drafter with it merged) on the main process; returns
+        the drafter's folder."""
         final = self.output_dir / "drafter"
         if self.accelerator.is_main_process:
             if self.peft_model is not None:
@@ -575,7 +602,30 @@ class DSparkTrainer:
                 merged.save_pretrained(final)
             else:
                 self._unwrapped.save_pretrained(final)
-        return {"step": self.step, "final": str(final), **last}
+        return final
+
+
+def _add_losses(totals: dict[str, float], losses: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's scalar losses, its supervised block count and one to its count to ``totals``."""
+    for k, v in losses.items():
+        if v.dim() == 0:
+            totals[k] = totals.get(k, 0.0) + float(v.detach())
+    totals["blocks"] = totals.get("blocks", 0.0) + float(losses["valid"].any(-1).sum())
+    totals["n"] = totals.get("n", 0) + 1
+
+
+def _write_train_log(last: dict, log_path: Path, writer, bar) -> None:
+    """Append a training log line to ``log_path`` (its floats to TensorBoard too) and show it on the progress
+    bar."""
+    with open(log_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(last) + "\n")
+    if writer is not None:
+        for k, v in last.items():
+            if isinstance(v, float):
+                writer.add_scalar(f"train/{k}", v, last["step"])
+    bar.set_postfix(loss=f"{last['loss']:.3f}", acc=f"{last['accuracy']:.3f}",
+                    blocks_s=f"{last['blocks_per_s']:.0f}",
+                    split="/".join(f"{100 * last[f'time_{k}']:.0f}" for k in PHASES))
 
 
 class _LossModule(torch.nn.Module):
