@@ -92,7 +92,8 @@ class SequenceBlock:
             out = self.drafter.draft(input_ids[:, -1], anchor_position, features, self.cache,
                                      prefix_ids=input_ids[:, :-1], logits_processor=self.logits_processor,
                                      do_sample=self.do_sample)
-        return Draft(out.draft_ids, out.draft_logits, out.confidences, self.name, out.confidence_logits)
+        return Draft(out.draft_ids, out.draft_logits, out.confidences, self.name, out.confidence_logits,
+                     base_logits=out.base_logits, hidden=out.hidden_states)
 
 
 class BatchedBlock:

@@ -214,6 +214,33 @@ def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
 SCHEDULES = ("padded", "prefix", "topk")
 
 
+def tree_schedule(survival: torch.Tensor, sps_table: torch.Tensor) -> tuple[int, float]:
+    """Algorithm 1 for one sequence's token tree: how many of its nodes to verify, and the expected rate.
+
+    ``survival`` [n]: each node's predicted probability of lying on the target's path, in the tree's order
+    (decreasing, parents first: every prefix is a tree). Nodes are admitted in that order while the expected throughput
+    ``(1 + sum admitted survival) * SPS(1 + admitted)`` strictly improves, as ``prefix_schedule`` admits a chain's
+    positions. Returns ``(nodes, expected tokens per second)``; zero nodes is plain decoding at ``SPS(1)``."""
+    table = sps_table.to(dtype=torch.float32, device="cpu")
+    count = min(int(survival.shape[0]), table.shape[0] - 2)
+    values = survival[:count].to(dtype=torch.float32, device="cpu")
+    tau = 1.0 + torch.cumsum(values, dim=0)
+    widths = torch.arange(2, 2 + count)
+    theta = tau * table[widths]
+    previous = (tau - values) * table[widths - 1]
+    improving = (theta > previous) & (values > 0)
+    admitted = int(torch.cumprod(improving.long(), dim=0).sum()) if count else 0
+    rate = float(theta[admitted - 1]) if admitted else float(table[1])
+    return admitted, rate
+
+
+def chain_rate(confidences: torch.Tensor, length: int, sps_table: torch.Tensor) -> float:
+    """The expected tokens per second of verifying the first ``length`` drafts of a chain with conditional
+    confidences ``confidences`` [g]: ``(1 + sum of their survival) * SPS(1 + length)``."""
+    survival = torch.cumprod(confidences.float().cpu().clamp(0, 1), dim=0)[:length]
+    return float((1.0 + survival.sum()) * sps_table.float().cpu()[1 + length])
+
+
 def use_schedule_kernels(schedule_lengths) -> None:
     """Run ``schedule_batch`` through ``schedule_lengths`` (``hf_dspark.kernels``: Triton on CUDA, these torch twins
     elsewhere), registered by that package when it is imported (the engine imports it). Without it, as in an exported
@@ -260,6 +287,8 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
 
 __all__ = [
     "SCHEDULES",
+    "chain_rate",
+    "tree_schedule",
     "StepsPerSecond",
     "capped_confidences",
     "dynamic_topk_capacity",

@@ -119,6 +119,9 @@ class Draft:
     source: str
     confidence_logits: torch.Tensor | None = None  # the drafter's raw confidences (before STS), for the statistics
     match_length: int = 0  # prompt lookup: how many of the sequence's last tokens matched (its survival bucket)
+    # the drafter's block: the backbone's logits [R, g, V_draft] and hidden states [R, g, d] a token tree grows from
+    base_logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

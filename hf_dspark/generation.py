@@ -13,10 +13,13 @@ Two routes reach the same generator:
 Verification itself (greedy matching or rejection sampling, EOS / max-length cropping, cache cropping, streamers,
 ``return_dict_in_generate``) is transformers' own ``_assisted_decoding``; this module proposes candidates, and crops a
 committed round where any stopping criterion fires inside it (transformers checks the criteria only at the end of a
-round, so a stop string completed by an accepted draft would otherwise run on past it).
+round, so a stop string completed by an accepted draft would otherwise run on past it). A token-tree round is
+verified by the generator before the loop sees it, and the loop's forward over the accepted path is answered from
+that verification (``tree_round``); the loop's processing of the round is unchanged.
 
 This file is self-contained (torch + transformers + its siblings ``attention``, ``block_source``, ``clock``,
-``draft_sources``, ``gate``, ``planner``, ``rollback``, ``scheduling`` and ``stats``), because exported folders carry it.
+``draft_sources``, ``gate``, ``planner``, ``rollback``, ``scheduling``, ``stats``, ``token_tree``, ``tree_round`` and
+``verification_width``), because exported folders carry it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from transformers import DynamicCache, StaticCache
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
@@ -46,6 +48,9 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
     from .rollback import rollback_refusal
     from .scheduling import VerificationPolicy, lookup_max_tokens, policy_from_generation_config
     from .stats import DSparkRound, DSparkStats, stats_lists
+    from .token_tree import TREE_NODES, draft_tree_mode, tree_obstacle
+    from .tree_round import SequenceTrees, path_forward
+    from .verification_width import VERIFICATION_WIDTHS, verification_records_graphs, verification_width_mode
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from attention import packed_attention  # type: ignore[no-redef]
     from block_source import SequenceBlock  # type: ignore[no-redef]
@@ -60,6 +65,13 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
         policy_from_generation_config,
     )
     from stats import DSparkRound, DSparkStats, stats_lists  # type: ignore[no-redef]
+    from token_tree import TREE_NODES, draft_tree_mode, tree_obstacle  # type: ignore[no-redef]
+    from tree_round import SequenceTrees, path_forward  # type: ignore[no-redef]
+    from verification_width import (  # type: ignore[no-redef]
+        VERIFICATION_WIDTHS,
+        verification_records_graphs,
+        verification_width_mode,
+    )
 
 
 def is_dspark_drafter(model: Any) -> bool:
@@ -126,8 +138,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         # The most drafts one round verifies: the block, or a longer prompt-lookup draft under the hybrid policy.
         self.max_round_drafts = max(self.block_size, getattr(self.policy, "max_lookup_tokens", 0))
+        # Token-tree rounds (greedy): the tree the planner prices above the chain (token_tree.DRAFT_TREES).
+        self.trees = SequenceTrees(drafter, target, draft_tree_mode(drafter), self.do_sample,
+                                   self.hidden_state_indices, logits_processor, TREE_NODES)
         if self.policy.needs_sps and self.policy.sps is None:
-            self.policy.set_sps(_profile_target(target, self.max_round_drafts + 1))
+            self.policy.set_sps(_profile_target(target, max(self.max_round_drafts + 1, sps_width(drafter))))
         if self.policy.draft_sources:
             self.policy.set_lookup_survival(lookup_survival_for(drafter, target))
         self.planner = generate_planner(self.policy, self.block_size,
@@ -150,6 +165,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.clock = RoundClock(target.device)  # the drafter's time, whole rounds, the stats' marks
         self._target = target
         self.fixed_width: bool | None = None  # decided at the prefill round, from the target's cache
+        self._verify_started = None  # a tree round's mark before its target forward
 
     def _new_target_hidden(self, input_ids, model_outputs) -> torch.Tensor:
         """Features of the positions verified since the last round: [1, n, taps * D]."""
@@ -200,10 +216,13 @@ class DSparkCandidateGenerator(CandidateGenerator):
             passed = model_kwargs or {}
             graphs = verification_records_graphs(self._target, passed, self.generation_config)
             self.fixed_width = verification_width_mode(self.drafter, graphs) == "fixed"
+            self.trees.start(passed.get("cache"), self.planner.scheduled, self.fixed_width)
             return input_ids, None  # the prefill forward produces the first anchor and the context features
         started = self.clock.mark()
+        self._verify_started = None
         proposal = self._propose(input_ids, model_outputs)
-        self.clock.marks = (started, self.clock.mark())
+        # a tree round's verification ran inside the proposal: drafting ended where it began
+        self.clock.marks = (started, self._verify_started or self.clock.mark())
         return proposal
 
     def _propose(self, input_ids: torch.LongTensor, model_outputs: Any) -> tuple[torch.LongTensor, torch.FloatTensor | None]:
@@ -219,22 +238,31 @@ class DSparkCandidateGenerator(CandidateGenerator):
         row = RowState(min(self.block_size, room), self.memory, lambda: input_ids[0], offer_cap)
         table = self.policy.sps_table() if self.planner.scheduled else None
         plan = self.planner.plan([row], table)
-        self._plan = (plan, None, 0)
+        self._plan = (plan, None, 0, None)
         if plan.offers:
             self._defer_context(target_hidden)  # no drafter forward: its features wait for the next block draft
             return self._offer_candidates(input_ids, plan.offers[0], self.planner.lengths(plan, None, table)[0], room)
         if plan.drafting:
-            return self._block_candidates(input_ids, target_hidden, plan, table)
+            return self._block_candidates(input_ids, target_hidden, plan, table, room)
         # Nothing fits, or the planner expects no draft worth its cost this round: the target decodes alone.
         self._defer_context(target_hidden)
         self._pending_round = _PendingRound()
         return input_ids, None
 
-    def _block_candidates(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, plan, table):
-        """A round drafted by the drafter's block: its forward, then the planner's verification length."""
-        draft = self._draft_block(input_ids, target_hidden)
+    def _block_candidates(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, plan, table, room: int):
+        """A round drafted by the drafter's block: its forward, then the planner's verification length, or the
+        token tree the planner prices above it."""
+        draft, tree = self._draft_block(input_ids, target_hidden, room, table)
         verify = self.planner.lengths(plan, draft.confidences, table)[0]
-        self._plan = (plan, draft.confidences, verify)
+        if tree is not None:
+            conf = None if draft.confidences is None else draft.confidences[0]
+            cap = min(self.policy.max_lookup_tokens, room) if self.planner.sources else 0
+            branch = self.planner.best_offer(input_ids[0], cap, table) if cap > 0 else None
+            tree = self.planner.tree_round(tree, conf, verify, table, always=self.trees.mode == "always",
+                                           branch=branch)
+            if tree is not None:
+                return self._tree_candidates(input_ids, draft, tree, plan)
+        self._plan = (plan, draft.confidences, verify, None)
         if self.fixed_width:
             verify = plan.caps[0]  # every block round is as wide as the block (see VERIFICATION_WIDTHS)
         confidences = None if draft.confidences is None else draft.confidences[0]
@@ -247,12 +275,31 @@ class DSparkCandidateGenerator(CandidateGenerator):
         # softmax(q) is the distribution each draft token was actually sampled from.
         return candidates, draft.q[:, :verify]
 
-    def _draft_block(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor) -> Draft:
-        """The drafter's block from the anchor (``SequenceBlock``), timed for the planner."""
+    def _draft_block(self, input_ids: torch.LongTensor, target_hidden: torch.Tensor, room: int, table):
+        """The drafter's block from the anchor (``SequenceBlock``) and, where tree rounds are on, its token tree;
+        timed together for the planner."""
         started = self.clock.mark()
         draft = self.block.propose(input_ids, self._context_features(target_hidden))
+        tree = None if table is None else self.trees.grow(draft, input_ids[0, -1], room, table.shape[0])
         self.clock.drafted(started, self.clock.mark())
-        return draft
+        return draft, tree
+
+    def _tree_candidates(self, input_ids: torch.LongTensor, draft: Draft, tree, plan):
+        """A token-tree round: verified here (``SequenceTrees.verify``); the loop gets the accepted path as its
+        candidates and its forward over them from the tree forward. The chain's confidences learn from the chain
+        nodes the tree verified and the accepted path's leading chain nodes."""
+        self._verify_started = self.clock.mark()
+        verified = self.trees.verify(input_ids, tree)
+        on_chain = tree.chain.tolist()
+        chain_accepted = next((k for k, node in enumerate(verified.path) if not on_chain[node]), len(verified.path))
+        self._plan = (plan, draft.confidences, tree.chain_length(), chain_accepted)
+        confidences = None if draft.confidences is None else draft.confidences[0]
+        listed, raw = stats_lists(confidences, draft.confidence_logits)
+        path = verified.tokens[1:].view(1, -1)
+        self._pending_round = _PendingRound(tree.size, tree.size, listed, raw, path, source="tree")
+        candidates = torch.cat([input_ids, path.to(input_ids.device)], dim=-1)
+        self._crop_at_stop(candidates, input_ids.shape[1])
+        return candidates, None
 
     def _offer_candidates(self, input_ids, offer: Draft, verify: int, room: int):
         """A round drafted by a free source's offer (no drafter forward). With a fixed verification width it verifies
@@ -293,8 +340,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         """The verdict, for the planner: the sequence's confidence memory and the survival correction learn from the
         length the planner chose (a fixed width verifies more, and what it accepts past that length is not counted
         against the confidences)."""
-        plan, confidences, planned = self._plan
+        plan, confidences, planned, chain_accepted = self._plan
         self._plan = None
+        accepted = accepted if chain_accepted is None else chain_accepted
         self.planner.observe(plan, confidences, [planned if plan.drafting else verified], [accepted])
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: int):
@@ -326,68 +374,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# How a drafting round runs
+# How a round runs
 # ------------------------------------------------------------------------------------------------------------------
-# How a drafting round runs (``drafter.generation_config.draft_round``): ``block_source.DRAFT_ROUNDS``.
-
-
-# ``drafter.generation_config.verification_width``:
-#   "auto"      (default) "fixed" where transformers runs the verification forward compiled into CUDA graphs (a
-#               compilable target cache such as ``StaticCache``, passed in or ``cache_implementation="static"``, on
-#               CUDA, with its default ``compile_config`` mode "reduce-overhead"): torch records one CUDA graph per
-#               distinct input width, so every new width costs a recording; else "variable" (without graphs, dynamo's
-#               dynamic shapes serve every width from one compiled graph)
-#   "variable"  each round verifies what its policy chose
-#   "fixed"     every block round verifies the whole block and every lookup round the policy's longest lookup draft
-#               (padded past a shorter match), so the verification forward sees one width per source (and shorter
-#               ones only where max_length leaves less room); the policy still chooses between block, lookup and
-#               no draft. Greedy outputs are unchanged: a verified token is kept only where it is the target's own
-#               choice, so verifying more tokens never changes what is emitted.
-VERIFICATION_WIDTHS = ("auto", "variable", "fixed")
-# torch.compile modes that capture CUDA graphs (inductor's cudagraph trees re-record for each distinct input shape).
-GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
-
-
-def _compilable_cache(cache) -> bool:
-    return isinstance(cache, StaticCache) or (
-        bool(getattr(cache, "is_compileable", False)) and not isinstance(cache, DynamicCache))
-
-
-def verification_records_graphs(target, model_kwargs: dict, generation_config) -> bool:
-    """Whether transformers' assisted decoding runs ``target``'s verification forward compiled into CUDA graphs for
-    this call: its own auto-compile rule (``_valid_auto_compile_criteria``: a compilable cache, a device it compiles
-    on, ``disable_compile`` unset), on CUDA, in a compile mode that captures graphs."""
-    if target.device.type != "cuda":
-        return False
-    rule = getattr(target, "_valid_auto_compile_criteria", None)
-    if rule is not None:
-        compiles = bool(rule(model_kwargs, generation_config))
-    else:  # a transformers without the rule: compile follows the cache
-        compiles = _compilable_cache(model_kwargs.get("cache", model_kwargs.get("past_key_values")))
-    if not compiles:
-        return False
-    compile_config = getattr(generation_config, "compile_config", None)
-    if compile_config is None:  # what get_compiled_call falls back to
-        default = getattr(target, "_default_compile_config", None)
-        if default is not None:
-            compile_config = default()
-        else:
-            from transformers.generation.configuration_utils import CompileConfig
-
-            compile_config = CompileConfig()
-    options = getattr(compile_config, "options", None) or {}
-    return compile_config.mode in GRAPH_COMPILE_MODES or bool(options.get("triton.cudagraphs"))
-
-
-def verification_width_mode(drafter, records_graphs: bool) -> str:
-    """``"fixed"`` or ``"variable"`` for one call (see ``VERIFICATION_WIDTHS``); ``records_graphs``: whether the
-    verification forward runs as CUDA graphs (``verification_records_graphs``)."""
-    mode = getattr(drafter.generation_config, "verification_width", None) or "auto"
-    if mode not in VERIFICATION_WIDTHS:
-        raise ValueError(f"unknown verification_width {mode!r}; expected one of {list(VERIFICATION_WIDTHS)}")
-    if mode == "auto":
-        return "fixed" if records_graphs else "variable"
-    return mode
+# How a drafting round runs (``drafter.generation_config.draft_round``): ``block_source.DRAFT_ROUNDS``. How wide its
+# verification is (``verification_width``): ``verification_width.VERIFICATION_WIDTHS``. Whether it verifies a token
+# tree (``draft_tree``): ``token_tree.DRAFT_TREES``.
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -466,8 +457,12 @@ def lookup_survival_for(drafter, target) -> LookupSurvival:
 
 def sps_width(drafter) -> int:
     """The verification widths (drafts plus the anchor) an SPS profile for ``drafter`` must cover: its block or, for
-    the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), plus one."""
-    return max(drafter.config.block_size, lookup_max_tokens(drafter.generation_config)) + 1
+    the hybrid policy, its longest prompt-lookup draft (``generation_config.lookup_max_tokens``), or where it can
+    grow token trees, the largest tree (``TREE_NODES``); plus one."""
+    widest = max(drafter.config.block_size, lookup_max_tokens(drafter.generation_config))
+    if draft_tree_mode(drafter) != "chain" and tree_obstacle(drafter) is None:
+        widest = max(widest, TREE_NODES)
+    return widest + 1
 
 
 def _profile_target(target, max_batch_tokens: int):
@@ -580,8 +575,9 @@ def _dspark_assisted_decoding(self, input_ids, logits_processor, stopping_criter
                         synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
                         assistant_model=assistant_model, **kwargs)
     token = _STOPPING_CRITERIA.set(weakref.ref(stopping_criteria))
+    trees = not generation_config.do_sample and draft_tree_mode(assistant_model) != "chain"
     try:
-        with packed_attention(self):
+        with packed_attention(self), (path_forward(self) if trees else contextlib.nullcontext()):
             out = original(self, input_ids, logits_processor, stopping_criteria, generation_config,
                            synced_gpus=synced_gpus, streamer=streamer, inputs_tensor=inputs_tensor,
                            assistant_model=assistant_model, **kwargs)

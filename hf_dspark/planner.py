@@ -29,6 +29,7 @@ import torch
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .draft_sources import DRAFT_SOURCES, Draft
     from .gate import EXPLORE_BUDGET, RealizedGate
+    from .budget import chain_rate, tree_schedule
     from .scheduling import (
         ConfidenceMemory,
         OnlineSurvivalCorrection,
@@ -43,6 +44,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from draft_sources import DRAFT_SOURCES, Draft  # type: ignore[no-redef]
     from gate import EXPLORE_BUDGET, RealizedGate  # type: ignore[no-redef]
+    from budget import chain_rate, tree_schedule  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         ConfidenceMemory,
         OnlineSurvivalCorrection,
@@ -180,7 +182,7 @@ class Planner:
         found = {}
         for i, (row, cap) in enumerate(zip(rows, caps)):
             if cap > 0 and row.offer_cap > 0 and row.tokens is not None:
-                offer = self._best_offer(row.tokens(), row.offer_cap, table)
+                offer = self.best_offer(row.tokens(), row.offer_cap, table)
                 if offer is not None:
                     found[i] = offer
         if not found:
@@ -196,7 +198,7 @@ class Planner:
     def _offer_width(self, found: dict[int, Draft]) -> int:
         return max(self.block_size, *(offer.num_tokens for offer in found.values()))
 
-    def _best_offer(self, token_ids: torch.Tensor, cap: int, table: torch.Tensor) -> Draft | None:
+    def best_offer(self, token_ids: torch.Tensor, cap: int, table: torch.Tensor) -> Draft | None:
         """The row's offer from its sources: the only one, or among several the one expected to deliver the most
         tokens per second verified alone (``_offer_rate``)."""
         offers = [offer for offer in (source.propose(token_ids, cap) for source in self.sources.values())
@@ -434,6 +436,43 @@ class Planner:
             confidences[torch.tensor(drafting, device=self.device), : current.shape[1]] = current
         confidences, cap_tensor = self.with_offers(confidences, caps, offers)
         return schedule_batch(confidences, cap_tensor, table, self.schedule, plan.capacity).tolist()
+
+    def tree_round(self, tree, confidences: torch.Tensor | None, chain_length: int, table: torch.Tensor | None,
+                   always: bool = False, branch: Draft | None = None):
+        """The token tree one sequence verifies this round instead of its chain's first ``chain_length`` drafts, or
+        None for the chain. Each node's survival is corrected like the chain's (the survival correction's factor at
+        its depth, never above its parent's); a free source's ``branch`` (its offer, priced by its own confidences)
+        is grafted on; the nodes are admitted by ``tree_schedule``, and the tree is taken where it holds a node off
+        the chain and its expected rate beats the chain's. ``always``: every round, with at least one node more
+        than the chain (within the tree and ``max_verify``). Needs a policy priced by SPS."""
+        if table is None or tree.size == 0:
+            return None
+        tree = tree.ranked(self._corrected_survival(tree))
+        if branch is not None and branch.confidences is not None:
+            tree = tree.graft(branch.token_ids[0], branch.confidences[0].float())
+        nodes, rate = tree_schedule(tree.survival, table)
+        if self.max_verify is not None:
+            nodes = min(nodes, self.max_verify)
+        if always:
+            nodes = max(nodes, min(chain_length + 1, tree.size, self.max_verify or tree.size))
+            return tree.prefix(nodes) if nodes else None
+        if nodes == 0 or tree.prefix(nodes).is_chain():
+            return None
+        chain = chain_rate(self._corrected(confidences.float()[None].to(self.device))[0], chain_length, table) \
+            if confidences is not None else 0.0
+        return tree.prefix(nodes) if rate > chain else None
+
+    def _corrected_survival(self, tree) -> torch.Tensor:
+        """The tree's survival with the survival correction's per-depth factors, never above a node's parent's."""
+        if self.correction is None:
+            return tree.survival
+        factors = self.correction.factors().float()
+        survival = (tree.survival * factors[(tree.depths - 1).clamp(max=factors.shape[0] - 1)]).clamp(max=1.0)
+        values = survival.tolist()
+        for i, parent in enumerate(tree.parents.tolist()):
+            if parent >= 0 and values[i] > values[parent]:
+                values[i] = values[parent]
+        return torch.tensor(values)
 
     def _policy_lengths(self, confidences: torch.Tensor | None, caps: list[int]) -> list[int]:
         """A policy not priced by SPS: its lengths for rows with these caps (one row: its per-row rule, which for a

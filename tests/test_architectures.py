@@ -43,6 +43,25 @@ def test_generate_greedy_equals_plain(pair, policy):
     assert drafter.last_stats.rounds > 0
 
 
+def test_token_tree_rounds_keep_greedy_output(pair):
+    """Every round a token tree (``draft_tree="always"``, priced by a profile where width is nearly free): the output
+    is still plain greedy's; a sliding-window family's cache cannot keep a tree's path, and says so."""
+    family, target, drafter, prompt, plain = pair
+    drafter.generation_config.verification_policy = "scheduler"
+    drafter.generation_config.sps_profile = SPS.to_dict()
+    drafter.generation_config.draft_tree = "always"
+    try:
+        if family in SLIDING:
+            with pytest.raises(ValueError, match="draft_tree='always'.*DynamicSlidingWindowLayer"):
+                target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+            return
+        out = target.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, plain)
+        assert drafter.last_stats.sources.count("tree") > 0
+    finally:
+        drafter.generation_config.draft_tree = None
+
+
 @pytest.mark.parametrize("policy", ["fixed", "hybrid"])
 def test_optimised_target_greedy_equals_stock_plain(pair, policy):
     """With the target's linears prepacked (hf_dspark.optimize_target), generate() and the engine still give plain

@@ -33,6 +33,25 @@ def test_bench_markdown_tables():
     assert not any("prompt_lookup |" in line and "%" in line for line in lines)  # no rounds table for lookup
 
 
+def test_tree_rounds_get_their_columns():
+    """A method that verified token trees shows them beside the chain: their share of rounds, and the accepted path
+    depth over the nodes verified."""
+    def method(sources):
+        return _row(1.2, accepted_length=2.0, identical_to_baseline="1/1", sources=sources)
+
+    chain = method({"block": {"rounds": 2, "verified": 10, "accepted": 3}, "none": {"rounds": 2}})
+    tree = method({"tree": {"rounds": 3, "verified": 30, "accepted": 6}, "none": {"rounds": 1}})
+    report = {group: {"plain": _row(1.0), "dspark:hybrid:tree=chain": chain, "dspark:hybrid:tree=auto": tree}
+              for group in ("set/a", "all")}
+    payload = {"settings": {"dtype": "float32", "max_new_tokens": 64, "num_prompts": 1, "threads": 2},
+               "results": {"report": report}}
+    lines = render_bench_markdown(payload, {"command": "c", "cpu": "cpu", "cpu_count": 2}).splitlines()
+    assert any(line.startswith("| set | method | rounds: block / tree / lookup / none | accepted per verified draft "
+                               "(block, tree, lookup) |") for line in lines)
+    assert any(line.startswith("| a | dspark:hybrid:tree=chain | 50% / 0% / 0% / 50% | 3/10, -, - |") for line in lines)
+    assert any(line.startswith("| a | dspark:hybrid:tree=auto | 0% / 75% / 0% / 25% | -, 6/30, - |") for line in lines)
+
+
 def test_bench_markdown_with_the_stock_baseline():
     """Where the target was optimised, plain on its stock linears is the baseline, and a second mean row gives each
     method over plain on the optimised target (speculation alone)."""

@@ -20,14 +20,14 @@ from argparse import ArgumentDefaultsHelpFormatter
 
 from .. import _register
 from .arguments import SettingsParser, UsageError, build_settings, flag, note_deprecated
-from .common import DRAFT_ROUNDS, Output, check_model_paths
+from .common import DRAFT_ROUNDS, DRAFT_TREES, Output, check_model_paths
 
 # command -> its module in this package
 COMMANDS = {name: importlib.import_module(f".{name.replace('-', '_')}", __name__)
             for name in ("generate", "data", "train", "features", "bench", "calibrate", "eval", "push", "profile",
                          "export", "demo", "bench-serve", "serve")}
 
-__all__ = ["COMMANDS", "DRAFT_ROUNDS", "UsageError", "build_parser", "main"]
+__all__ = ["COMMANDS", "DRAFT_ROUNDS", "DRAFT_TREES", "UsageError", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

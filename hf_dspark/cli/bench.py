@@ -11,6 +11,7 @@ from transformers.hf_argparser import HfArg
 from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
 from .common import DRAFT_ROUND_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
+from .common import DRAFT_TREE_HELP, DRAFT_TREES
 from .common import require_prompts, setup_target
 from .policies import DEFAULT_POLICY, POLICY_HELP, drafter_policy, generation_policy
 
@@ -30,6 +31,9 @@ class BenchSettings:
     prompt_lookup: int = HfArg(default=0, help="also run transformers' prompt-lookup decoding with N tokens (0: not)",
                                metadata={"bounds": (0, None)})
     draft_round: DraftRound | None = HfArg(default=None, help=DRAFT_ROUND_HELP)
+    draft_tree: list[str] | None = HfArg(default=None, help=DRAFT_TREE_HELP + "; several: one method per setting "
+                                         "(named <drafter>:<policy>:tree=<setting>)",
+                                         metadata={"nargs": "+", "choices": DRAFT_TREES})
     num_prompts: int = HfArg(default=50, help="prompts per prompt set", metadata={"bounds": (1, None)})
     max_new_tokens: int = HfArg(default=256, help="tokens generated per turn", metadata={"bounds": (1, None)})
     temperature: float = HfArg(default=0.0, help="sampling temperature (0: greedy)", metadata={"bounds": (0, None)})
@@ -89,7 +93,12 @@ def run(settings: BenchSettings) -> int:
         from ..generation import sps_width
         from ..profiling import load_or_profile
 
-        load_or_profile(target, max(sps_width(m["drafter"]) for m in methods.values() if "drafter" in m))
+        sps = load_or_profile(target, max(sps_width(m["drafter"]) for m in methods.values() if "drafter" in m))
+        # every method prices its rounds with this profile, measured before the clock runs: a profile re-measured
+        # inside a timed rollout would bill that rollout for the measurement
+        for method in methods.values():
+            if method.get("verification_policy") in ("scheduler", "hybrid"):
+                method["sps_profile"] = sps.to_dict()
     report = run_rollouts(target, tokenizer, None, settings.prompts, methods, num_prompts=settings.num_prompts,
                           max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                           seed=settings.seed, multi_turn=not settings.first_turn_only)
@@ -122,7 +131,10 @@ def _methods(settings: BenchSettings, target, dtype) -> tuple[dict, dict]:
             method = {"assistant": True, "drafter": drafter, **policy_settings(policy)}
             if settings.draft_round is not None:
                 method["draft_round"] = settings.draft_round
-            methods[f"{label}:{policy}"] = method
+            trees = settings.draft_tree or [None]
+            for tree in trees:
+                name = f"{label}:{policy}" if len(trees) == 1 else f"{label}:{policy}:tree={tree}"
+                methods[name] = method if tree is None else {**method, "draft_tree": tree}
     if settings.prompt_lookup:
         methods["prompt_lookup"] = {"prompt_lookup": settings.prompt_lookup}
     return methods, origins

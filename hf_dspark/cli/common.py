@@ -19,6 +19,12 @@ DType = Literal["bfloat16", "float16", "float32"]
 # block_source.DRAFT_ROUNDS, spelled out so that building the parser does not import torch (a test keeps them equal)
 DRAFT_ROUNDS = ("auto", "eager", "static", "graph")
 DraftRound = Literal["auto", "eager", "static", "graph"]
+# token_tree.DRAFT_TREES, spelled out for the same reason (a test keeps them equal)
+DRAFT_TREES = ("chain", "auto", "always")
+DraftTree = Literal["chain", "auto", "always"]
+DRAFT_TREE_HELP = ("token trees (greedy): chain (never; the default unless the drafter says otherwise) | auto (a round "
+                   "verifies the tree of the block's alternatives where the cost model prices it above the chain) | "
+                   "always (every block round, for measurements)")
 DRAFT_ROUND_HELP = ("how a drafting round runs: auto (a CUDA graph on CUDA where the round allows it, else eager) | "
                     "eager | static (the graph's fixed-shape round run eagerly) | graph; default: the drafter's own")
 EXCLUDE_HELP = ("prompts to skip: regenerated data folders, calibrated drafter folders (their calibration prompts) "

@@ -12,7 +12,8 @@ from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
 from .common import OPTIMIZE_HELP, OptimizeMode
-from .common import DRAFT_ROUND_HELP, DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DType
+from .common import DRAFT_ROUND_HELP, DRAFT_TREE_HELP, DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DraftRound, DraftTree
+from .common import DType
 from .common import setup_target
 from .policies import DEFAULT_POLICY, POLICY_HELP, drafter_policy, generation_policy
 
@@ -35,6 +36,7 @@ class GenerateSettings:
     threshold: float | None = HfArg(default=None, help="confidence threshold of --policy threshold "
                                     "(default: the drafter's, 0.5)", metadata={"bounds": (0, 1)})
     draft_round: DraftRound | None = HfArg(default=None, help=DRAFT_ROUND_HELP)
+    draft_tree: DraftTree | None = HfArg(default=None, help=DRAFT_TREE_HELP)
     stop: list[str] | None = HfArg(default=None, help="stop strings: both runs end where the text first contains "
                                    "one (as generate(stop_strings=))", metadata={"metavar": "STRING"})
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
@@ -110,6 +112,8 @@ def _load(settings: GenerateSettings):
         drafter.generation_config.confidence_threshold = settings.threshold
     if settings.draft_round is not None:
         drafter.generation_config.draft_round = settings.draft_round
+    if settings.draft_tree is not None:
+        drafter.generation_config.draft_tree = settings.draft_tree
     if policy in ("scheduler", "hybrid"):
         _profile(target, drafter)
     return target, tokenizer, drafter, origin, policy

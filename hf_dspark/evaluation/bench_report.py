@@ -118,20 +118,25 @@ def _speed_table(report: dict, sets: list[str], methods: list[str]) -> list[str]
 
 
 def _drafting_table(report: dict, sets: list[str], drafting: list[str]) -> list[str]:
-    """Per set and drafting method: the share of rounds per draft source, accepted over verified drafts per source,
-    and the share of seconds per part of the rounds."""
+    """Per set and drafting method: the share of rounds per draft source, accepted over verified drafts per source
+    (for a token tree: the path's depth over the nodes verified), and the share of seconds per part of the rounds.
+    The tree's columns appear where a method verified trees."""
+    trees = any(report[group].get(method, {}).get("sources", {}).get("tree") for group in sets + ["all"]
+                for method in drafting)
+    shown = ("block", "tree", "lookup", "none") if trees else ("block", "lookup", "none")
+    drafted = shown[:-1]
     lines = ["", "## Where the drafting methods' rounds and seconds went", "",
-             "| set | method | rounds: block / lookup / none | accepted per verified draft (block, lookup) | "
+             f"| set | method | rounds: {' / '.join(shown)} | accepted per verified draft ({', '.join(drafted)}) | "
              "seconds: drafting / verification / loop |", "|---|---|---|---|---|"]
     for group in sets + ["all"]:
         for method in drafting:
             r = report[group].get(method, {})
             sources = r.get("sources", {})
             percent = round_shares(sources)
-            shares = " / ".join(f"{percent.get(s, 0.0):.0f}%" for s in ("block", "lookup", "none"))
+            shares = " / ".join(f"{percent.get(s, 0.0):.0f}%" for s in shown)
             rates = ", ".join(
                 f"{sources[s]['accepted']}/{sources[s]['verified']}" if sources.get(s, {}).get("verified") else "-"
-                for s in ("block", "lookup"))
+                for s in drafted)
             spent = time_shares(r)
             seconds = " / ".join(f"{spent.get(k, 0.0):.0f}%" for k in TIME_PARTS) if spent else "-"
             lines.append(f"| {_group_name(group)} | {method} | {shares} | {rates} | {seconds} |")

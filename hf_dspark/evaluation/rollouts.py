@@ -108,7 +108,8 @@ def chat_inputs(tokenizer, messages):
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 
 
-GENERATION_SETTINGS = ("verification_policy", "num_verify_tokens", "confidence_threshold", "realized_gate", "draft_round")
+GENERATION_SETTINGS = ("verification_policy", "num_verify_tokens", "confidence_threshold", "realized_gate",
+                       "draft_round", "draft_tree", "sps_profile")
 
 
 @contextlib.contextmanager
