@@ -7,8 +7,8 @@ round (a growing context cache, every kernel launched from Python), the static r
 ``static_round.DSparkStaticRound``), or that static round captured as a CUDA graph and replayed. R rows run one batched
 drafter forward over their ragged contexts, then left-to-right sampling per group of equal sampling parameters.
 
-This file is self-contained (torch + its sibling ``draft_sources``): exported drafter folders carry it in
-``custom_generate/``. It reads the drafter through its public methods only.
+This file is self-contained (torch + its siblings ``draft_sources`` and ``setting_choices``): exported drafter folders
+carry it in ``custom_generate/``. It reads the drafter through its public methods only.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ import torch
 
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .draft_sources import Draft
+    from .setting_choices import checked_choice
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from draft_sources import Draft  # type: ignore[no-redef]
+    from setting_choices import checked_choice  # type: ignore[no-redef]
 
 # ``drafter.generation_config.draft_round``:
 #   "auto"   (default) on CUDA, a static round replayed from a CUDA graph where the round allows it (value-only
@@ -37,10 +39,7 @@ CAPACITY_STEP = 256
 
 def draft_round_mode(drafter) -> str:
     """``drafter.generation_config.draft_round`` (default ``"auto"``), checked."""
-    mode = getattr(drafter.generation_config, "draft_round", None) or "auto"
-    if mode not in DRAFT_ROUNDS:
-        raise ValueError(f"unknown draft_round {mode!r}; expected one of {list(DRAFT_ROUNDS)}")
-    return mode
+    return checked_choice(drafter, "draft_round", DRAFT_ROUNDS, "auto")
 
 
 def static_round_for(drafter, max_length: int, logits_processor, do_sample: bool):

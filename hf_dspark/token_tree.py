@@ -19,7 +19,7 @@ that lets each node see the context, the anchor, its ancestors and itself (``Tok
 the anchor, the target's choice at a node is accepted where one of the node's children carries it
 (``TokenTree.accepted_path``); the output is the target's greedy sequence, whatever the tree held.
 
-This file is self-contained (torch only), so exported drafter folders can carry it.
+This file is self-contained (torch + its sibling ``setting_choices``), so exported drafter folders can carry it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
+    from .setting_choices import checked_choice
+except ImportError:  # pragma: no cover - loaded as a top-level module
+    from setting_choices import checked_choice  # type: ignore[no-redef]
 
 # ``drafter.generation_config.draft_tree``:
 #   "chain"   (default) never a tree: on the CPUs measured so far a priced tree reads about the chain's speed in
@@ -50,10 +55,7 @@ TREE_PARENTS = 8
 
 def draft_tree_mode(drafter) -> str:
     """``drafter.generation_config.draft_tree`` (default ``"chain"``), checked."""
-    mode = getattr(drafter.generation_config, "draft_tree", None) or "chain"
-    if mode not in DRAFT_TREES:
-        raise ValueError(f"unknown draft_tree {mode!r}; expected one of {list(DRAFT_TREES)}")
-    return mode
+    return checked_choice(drafter, "draft_tree", DRAFT_TREES, "chain")
 
 
 def tree_obstacle(drafter) -> str | None:

@@ -1,12 +1,17 @@
 """How wide a round's verification forward is in ``generate()`` (``drafter.generation_config.verification_width``),
 and whether transformers runs that forward as CUDA graphs, which decides it by default.
 
-This file is self-contained (transformers only), because exported drafter folders carry it.
+This file is self-contained (transformers + its sibling ``setting_choices``), because exported drafter folders carry it.
 """
 
 from __future__ import annotations
 
 from transformers import DynamicCache, StaticCache
+
+try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
+    from .setting_choices import checked_choice
+except ImportError:  # pragma: no cover - loaded as a top-level module
+    from setting_choices import checked_choice  # type: ignore[no-redef]
 
 # ``drafter.generation_config.verification_width``:
 #   "auto"      (default) "fixed" where transformers runs the verification forward compiled into CUDA graphs (a
@@ -59,9 +64,7 @@ def verification_records_graphs(target, model_kwargs: dict, generation_config) -
 def verification_width_mode(drafter, records_graphs: bool) -> str:
     """``"fixed"`` or ``"variable"`` for one call (see ``VERIFICATION_WIDTHS``); ``records_graphs``: whether the
     verification forward runs as CUDA graphs (``verification_records_graphs``)."""
-    mode = getattr(drafter.generation_config, "verification_width", None) or "auto"
-    if mode not in VERIFICATION_WIDTHS:
-        raise ValueError(f"unknown verification_width {mode!r}; expected one of {list(VERIFICATION_WIDTHS)}")
+    mode = checked_choice(drafter, "verification_width", VERIFICATION_WIDTHS, "auto")
     if mode == "auto":
         return "fixed" if records_graphs else "variable"
     return mode

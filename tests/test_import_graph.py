@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_dspark"
 LAYERS = {
     "model": ["configuration_dspark", "modeling_dspark", "heads", "draft_sampling", "static_round", "drafter_files",
               "rollback", "clock", "stats", "draft_sources", "gate", "budget", "scheduling", "planner", "block_source",
-              "token_tree", "tree_round", "verification_width", "policy_names", "attention", "kernels"],
+              "token_tree", "tree_round", "verification_width", "setting_choices",
+              "policy_names", "attention", "kernels"],
     "generation": ["hf_dspark", "generation", "profiling", "target", "defaults", "prompts", "allocator", "onednn",
                    "optimization", "machine_load", "cpu_features"],
     "engine": ["engine"],
