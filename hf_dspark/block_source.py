@@ -133,7 +133,8 @@ class BatchedBlock:
                     if parts[key] is None:
                         parts[key] = value.new_zeros(rows, *value.shape[1:])
                     parts[key][sel] = value
-        return Draft(ids, parts["logits"], parts["confidences"], self.name, parts["confidence_logits"])
+        return Draft(ids, parts["logits"], parts["confidences"], self.name, parts["confidence_logits"],
+                     base_logits=out.logits, hidden=out.hidden_states)
 
 
 __all__ = ["BatchedBlock", "CAPACITY_STEP", "DRAFT_ROUNDS", "SequenceBlock", "draft_round_mode", "static_round_for"]

@@ -8,6 +8,8 @@ This file is self-contained (torch only): exported drafter folders carry it in `
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -214,31 +216,57 @@ def topk_schedule(confidences: torch.Tensor, capacity: int) -> torch.Tensor:
 SCHEDULES = ("padded", "prefix", "topk")
 
 
-def tree_schedule(survival: torch.Tensor, sps_table: torch.Tensor) -> tuple[int, float]:
+class BatchShare(NamedTuple):
+    """The rest of a batch one row's tree is priced within: the tokens the other rows are expected to deliver
+    (``expected``), and what they verify: ``tokens`` in all, as wide as ``width`` (anchor included), in ``rows`` rows
+    with this one. A padded batch (``padded``) runs every row as wide as its widest, so it costs SPS(rows * width);
+    otherwise SPS(tokens + this row's width). The default is a batch of one row."""
+
+    expected: float = 0.0
+    tokens: int = 0
+    width: int = 0
+    rows: int = 1
+    padded: bool = False
+
+    def batch_tokens(self, width: torch.Tensor) -> torch.Tensor:
+        """The batch's verification tokens B when this row verifies ``width`` tokens (anchor included)."""
+        if self.padded:
+            return self.rows * width.clamp(min=self.width)
+        return self.tokens + width
+
+
+def tree_schedule(survival: torch.Tensor, sps_table: torch.Tensor,
+                  share: BatchShare = BatchShare()) -> tuple[int, float]:
     """Algorithm 1 for one sequence's token tree: how many of its nodes to verify, and the expected rate.
 
     ``survival`` [n]: each node's predicted probability of lying on the target's path, in the tree's order
     (decreasing, parents first: every prefix is a tree). Nodes are admitted in that order while the expected throughput
-    ``(1 + sum admitted survival) * SPS(1 + admitted)`` strictly improves, as ``prefix_schedule`` admits a chain's
-    positions. Returns ``(nodes, expected tokens per second)``; zero nodes is plain decoding at ``SPS(1)``."""
+    ``(share.expected + 1 + sum admitted survival) * SPS(B)``, B the batch's tokens with this row verifying its anchor
+    and the admitted nodes (``share``; alone: 1 + admitted), strictly improves, as ``prefix_schedule`` admits a
+    chain's positions. Returns ``(nodes, expected tokens per second)``; zero nodes is the row decoding plainly."""
     table = sps_table.to(dtype=torch.float32, device="cpu")
-    count = min(int(survival.shape[0]), table.shape[0] - 2)
+    widths = torch.arange(1, 2 + int(survival.shape[0]))
+    tokens = share.batch_tokens(widths)
+    count = int((tokens <= table.shape[0] - 1).sum()) - 1  # nodes whose batch the table prices
+    if count < 0:
+        raise ValueError(f"the SPS table prices batches of at most {table.shape[0] - 1} tokens; this row's batch "
+                         f"already takes {int(tokens[0])}")
     values = survival[:count].to(dtype=torch.float32, device="cpu")
-    tau = 1.0 + torch.cumsum(values, dim=0)
-    widths = torch.arange(2, 2 + count)
-    theta = tau * table[widths]
-    previous = (tau - values) * table[widths - 1]
-    improving = (theta > previous) & (values > 0)
+    expected = share.expected + 1.0 + torch.cat([torch.zeros(1), torch.cumsum(values, dim=0)])
+    theta = expected * table[tokens[: count + 1]]  # [count + 1]: 0..count nodes
+    improving = (theta[1:] > theta[:-1]) & (values > 0)
     admitted = int(torch.cumprod(improving.long(), dim=0).sum()) if count else 0
-    rate = float(theta[admitted - 1]) if admitted else float(table[1])
-    return admitted, rate
+    return admitted, float(theta[admitted])
 
 
-def chain_rate(confidences: torch.Tensor, length: int, sps_table: torch.Tensor) -> float:
+def chain_rate(confidences: torch.Tensor, length: int, sps_table: torch.Tensor,
+               share: BatchShare = BatchShare()) -> float:
     """The expected tokens per second of verifying the first ``length`` drafts of a chain with conditional
-    confidences ``confidences`` [g]: ``(1 + sum of their survival) * SPS(1 + length)``."""
+    confidences ``confidences`` [g]: ``(share.expected + 1 + sum of their survival) * SPS(B)``, B the batch's tokens
+    with this row verifying ``1 + length`` (``share``; alone: ``1 + length``)."""
     survival = torch.cumprod(confidences.float().cpu().clamp(0, 1), dim=0)[:length]
-    return float((1.0 + survival.sum()) * sps_table.float().cpu()[1 + length])
+    tokens = int(share.batch_tokens(torch.tensor([1 + length]))[0])
+    return float((share.expected + 1.0 + survival.sum()) * sps_table.float().cpu()[tokens])
 
 
 def use_schedule_kernels(schedule_lengths) -> None:
@@ -287,6 +315,7 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
 
 __all__ = [
     "SCHEDULES",
+    "BatchShare",
     "chain_rate",
     "tree_schedule",
     "StepsPerSecond",

@@ -27,6 +27,7 @@ from .generation import DSparkRound
 from .policy_names import DEFAULT_POLICY
 from .scheduling import VerificationPolicy, build_policy
 from .stats import DSparkStats
+from .token_tree import DRAFT_TREES, tree_obstacle
 
 POLICIES = ("hybrid", "fixed", "threshold", "scheduler")  # the policies the demo offers, the default first
 UPDATE_INTERVAL_S = 0.1  # at most ~10 UI updates per second: rendering must not eat the generation's CPU
@@ -44,6 +45,7 @@ TOKEN_STYLES = {
 # draft source -> (colour of the round's left border, label)
 SOURCE_STYLES = {
     "block": ("#7c3aed", "drafter"),
+    "tree": ("#059669", "drafter's token tree"),
     "lookup": ("#d97706", "lookup"),
     "none": ("#a1a1aa", "target alone"),
 }
@@ -60,6 +62,9 @@ POLICY_HELP = {
     "scheduler": "scheduler: the paper's prefix scheduler, the length with the most expected tokens per second "
                  "on the target's speed profile (at most N); drafter block only",
 }
+TREE_HELP = ("chain: verify the block's chain; auto: a round verifies a tree of the block's second and third "
+             "choices where the speed profile prices it above the chain; always: a tree every drafting round "
+             "(scheduler and hybrid only; greedy output unchanged)")
 LEGEND = {
     "accepted": "accepted draft",
     "rejected": "rejected draft",
@@ -92,15 +97,19 @@ def _token_span(text: str, status: str, confidence: float | None) -> str:
 
 def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
     """One round as a row of coloured token boxes: the drafted block (accepted / rejected / unverified, each with
-    its confidence c_k when the drafter has a confidence head), then the target's own token.
+    its confidence c_k when the drafter has a confidence head), then the target's own token. A token-tree round
+    draws its tree instead (``tree_html``).
 
     ``decode`` maps a token id to its text (e.g. ``lambda i: tokenizer.decode([i])``).
     """
     confidences = record.confidences or []
     spans = []
-    for k, token_id in enumerate(record.draft_ids):
-        status = "accepted" if k < record.accepted else "rejected" if k < record.verified else "unverified"
-        spans.append(_token_span(decode(token_id), status, confidences[k] if k < len(confidences) else None))
+    if record.tree is not None:
+        spans.append(tree_html(record.tree, record.accepted, decode))
+    else:
+        for k, token_id in enumerate(record.draft_ids):
+            status = "accepted" if k < record.accepted else "rejected" if k < record.verified else "unverified"
+            spans.append(_token_span(decode(token_id), status, confidences[k] if k < len(confidences) else None))
     # The last emitted token is the target's own: the bonus when every verified draft was accepted, else the
     # correction of the first rejected one.
     if len(record.emitted_ids) > record.accepted:
@@ -113,6 +122,26 @@ def round_html(record: DSparkRound, decode: Callable[[int], str]) -> str:
         f'<span style="display:inline-block;width:14em;font-size:0.8em;opacity:0.75;">round {record.index + 1}: '
         f"{summary} ({source[1]})</span>{''.join(spans)}</div>"
     )
+
+
+def tree_html(tree: dict, accepted: int, decode: Callable[[int], str]) -> str:
+    """A token tree (``DSparkRound.tree``) as nested lists of token boxes, each node under its parent: the first
+    ``accepted`` nodes of its path accepted, every other node verified and rejected."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree["parents"]):
+        children.setdefault(parent, []).append(node)
+    taken = set(tree["path"][:accepted])
+
+    def node_span(node: int) -> str:
+        return _token_span(decode(tree["tokens"][node]), "accepted" if node in taken else "rejected", None)
+
+    def branch(parent: int) -> str:
+        items = "".join(f'<li style="margin:0;">{node_span(node)}{branch(node)}</li>'
+                        for node in children.get(parent, []))
+        return (f'<ul class="dspark-tree" style="margin:0 0 0 1.2em;padding:0;list-style:none;'
+                f'border-left:1px dotted #a1a1aa;">{items}</ul>') if items else ""
+
+    return f'<div class="dspark-tree-round" style="display:inline-block;vertical-align:top;">{branch(-1)}</div>'
 
 
 def legend_html() -> str:
@@ -301,6 +330,7 @@ class DemoRunner:
         self.sps_time_budget_s = sps_time_budget_s
         self.update_interval_s = update_interval_s
         self.has_confidence = drafter.confidence_head is not None
+        self.trees = self.has_confidence and tree_obstacle(drafter) is None  # trees are priced by the scheduler
         self.start_policy = policy
         self.lock = threading.Lock()
         self._warm = False
@@ -351,23 +381,29 @@ class DemoRunner:
         self._warm = True
 
     def run(self, prompt: str, max_new_tokens: int, policy_name: str, threshold: float,
-            num_verify: int) -> Iterator[tuple[str, str, str, str, str, str]]:
-        """Yields (plain text, plain speed, DSpark text, DSpark speed, draft rounds HTML, summary)."""
+            num_verify: int, draft_tree: str = "chain") -> Iterator[tuple[str, str, str, str, str, str]]:
+        """Yields (plain text, plain speed, DSpark text, DSpark speed, draft rounds HTML, summary). ``draft_tree``:
+        ``token_tree.DRAFT_TREES``' setting for the run (trees need a policy priced by the SPS profile)."""
         inputs = self.encode(prompt)
         max_new_tokens = int(max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        if draft_tree not in DRAFT_TREES:
+            raise ValueError(f"unknown token-tree setting {draft_tree!r}; choose one of {', '.join(DRAFT_TREES)}")
+        if draft_tree != "chain" and policy_name not in ("scheduler", "hybrid"):
+            raise ValueError(f"token trees are priced by the SPS profile: choose scheduler or hybrid, not "
+                             f"{policy_name}")
         settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         with self.lock:
             yield "", "", "", "", "", "plain generate() runs first, then DSpark"  # the previous run's figures go
             if policy_name in ("scheduler", "hybrid"):
                 yield "", "", "", "", "", "measuring the target's speed profile SPS(B) for the scheduler (once, cached)"
-            policy = self.policy(policy_name, num_verify, threshold)
             config = self.drafter.generation_config
-            saved = getattr(config, "verification_policy", None)
-            config.verification_policy = policy
+            saved = getattr(config, "verification_policy", None), getattr(config, "draft_tree", None)
+            config.draft_tree = draft_tree  # before the policy: its profile covers a tree's width
             try:
+                config.verification_policy = self.policy(policy_name, num_verify, threshold)
                 self._warm_up(inputs)
                 plain_text, plain_speed, plain = "", "", Progress()
                 empty_stats = DSparkStats(block_size=self.block_size)
@@ -391,7 +427,7 @@ class DemoRunner:
                                          identical),
                     )
             finally:
-                config.verification_policy = saved
+                config.verification_policy, config.draft_tree = saved
 
 
 def _import_gradio():
@@ -420,12 +456,12 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
                     f"drafter (block size {runner.block_size}); in float32 the two outputs are identical."
                     + (f"\n\nDrafter: {html.escape(drafter_label)}" if drafter_label else ""))
         prompt, run_button, stop_button = _prompt_row(gr)
-        policy, num_verify, threshold, max_tokens = _settings_row(gr, runner, max_new_tokens)
+        policy, num_verify, threshold, max_tokens, tree = _settings_row(gr, runner, max_new_tokens)
         plain_text, plain_speed, dspark_text, dspark_speed = _output_panels(gr)
         summary = gr.Markdown(elem_id="dspark-summary")
         gr.HTML(legend_html())
         rounds = gr.HTML(elem_id="dspark-rounds")
-        inputs = [prompt, max_tokens, policy, threshold, num_verify]
+        inputs = [prompt, max_tokens, policy, threshold, num_verify, tree]
         outputs = [plain_text, plain_speed, dspark_text, dspark_speed, rounds, summary]
         _connect_events(gr, _generate_handler(gr, runner), prompt, run_button, stop_button, inputs, outputs)
     demo.runner = runner
@@ -435,12 +471,12 @@ def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str
 def _generate_handler(gr, runner: DemoRunner):
     """The app's ``generate`` event handler: ``runner.run``'s updates, or one message for an empty prompt."""
 
-    def generate(prompt, max_tokens, policy_name, threshold, num_verify):
+    def generate(prompt, max_tokens, policy_name, threshold, num_verify, draft_tree="chain"):
         if not (prompt or "").strip():  # one message, in the summary, instead of an error badge on every panel
             yield "", "", "", "", "", EMPTY_PROMPT_MESSAGE
             return
         try:
-            yield from runner.run(prompt, max_tokens, policy_name, threshold, num_verify)
+            yield from runner.run(prompt, max_tokens, policy_name, threshold, num_verify, draft_tree)
         except ValueError as err:
             raise gr.Error(str(err)) from err
 
@@ -460,7 +496,7 @@ def _prompt_row(gr):
 
 
 def _settings_row(gr, runner: DemoRunner, max_new_tokens: int):
-    """The verification policy, its N and threshold, and the number of new tokens."""
+    """The verification policy, its N and threshold, the number of new tokens and the token-tree setting."""
     policies = runner.policies
     with gr.Row():
         policy = gr.Radio(policies, value=runner.default_policy, label="Verification policy",
@@ -470,7 +506,9 @@ def _settings_row(gr, runner: DemoRunner, max_new_tokens: int):
         threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
                               interactive=runner.has_confidence)
         max_tokens = gr.Slider(1, max(512, max_new_tokens), value=max_new_tokens, step=1, label="Max new tokens")
-    return policy, num_verify, threshold, max_tokens
+        tree = gr.Radio(list(DRAFT_TREES), value="chain", label="Token trees", interactive=runner.trees,
+                        info=TREE_HELP if runner.trees else "this drafter's sequential head cannot grow trees")
+    return policy, num_verify, threshold, max_tokens, tree
 
 
 def _output_panels(gr):

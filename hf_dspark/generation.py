@@ -92,6 +92,7 @@ class _PendingRound(NamedTuple):
     source: str = "none"
     offer: Draft | None = None  # rounds drafted by a free source: its offer
     offer_tokens: int = 0  # of the verified tokens, those the offer drafted (not a fixed width's pad)
+    tree: dict | None = None  # a token-tree round: its nodes and accepted path (``DSparkRound.tree``)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -296,7 +297,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         confidences = None if draft.confidences is None else draft.confidences[0]
         listed, raw = stats_lists(confidences, draft.confidence_logits)
         path = verified.tokens[1:].view(1, -1)
-        self._pending_round = _PendingRound(tree.size, tree.size, listed, raw, path, source="tree")
+        drawn = {"tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(), "path": list(verified.path)}
+        self._pending_round = _PendingRound(tree.size, tree.size, listed, raw, path, source="tree", tree=drawn)
         candidates = torch.cat([input_ids, path.to(input_ids.device)], dim=-1)
         self._crop_at_stop(candidates, input_ids.shape[1])
         return candidates, None
@@ -350,7 +352,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.generation_config.max_length = self.max_length
         if self._pending_round is None:
             return  # the prefill round
-        drafted, verified, confidences, confidence_logits, draft_ids, source, offer, offer_tokens = self._pending_round
+        drafted, verified, confidences, confidence_logits, draft_ids, source, offer, offer_tokens, tree = \
+            self._pending_round
         accepted = int(num_matches)
         self.clock.verdict(source != "none", accepted + 1)
         self.stats.add_round(drafted, verified, accepted, confidences, confidence_logits, source)
@@ -370,6 +373,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
                 emitted_ids=input_ids[0, input_ids.shape[1] - accepted - 1:].tolist(),
                 confidences=confidences,
                 source=source,
+                tree=tree,
             ))
 
 

@@ -29,7 +29,7 @@ import torch
 try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its siblings next to this file
     from .draft_sources import DRAFT_SOURCES, Draft
     from .gate import EXPLORE_BUDGET, RealizedGate
-    from .budget import chain_rate, tree_schedule
+    from .budget import BatchShare, chain_rate, tree_schedule
     from .scheduling import (
         ConfidenceMemory,
         OnlineSurvivalCorrection,
@@ -44,7 +44,7 @@ try:  # inside the hf_dspark package, or a custom_generate/ folder carrying its 
 except ImportError:  # pragma: no cover - loaded as a top-level module
     from draft_sources import DRAFT_SOURCES, Draft  # type: ignore[no-redef]
     from gate import EXPLORE_BUDGET, RealizedGate  # type: ignore[no-redef]
-    from budget import chain_rate, tree_schedule  # type: ignore[no-redef]
+    from budget import BatchShare, chain_rate, tree_schedule  # type: ignore[no-redef]
     from scheduling import (  # type: ignore[no-redef]
         ConfidenceMemory,
         OnlineSurvivalCorrection,
@@ -350,6 +350,10 @@ class Planner:
     def _corrected(self, confidences: torch.Tensor) -> torch.Tensor:
         return confidences if self.correction is None else self.correction.correct(confidences)
 
+    def corrected(self, confidences: torch.Tensor) -> torch.Tensor:
+        """One row's block confidences [g] with the survival correction applied (as the schedule prices them)."""
+        return self._corrected(confidences.float()[None].to(self.device))[0]
+
     def stale_confidences(self, memories: Sequence[ConfidenceMemory | None],
                           smoothed: bool = False) -> tuple[torch.Tensor, list[bool]]:
         """Each row's confidences from its last drafting round [R, g] (zeros where unknown), corrected, and which
@@ -438,19 +442,20 @@ class Planner:
         return schedule_batch(confidences, cap_tensor, table, self.schedule, plan.capacity).tolist()
 
     def tree_round(self, tree, confidences: torch.Tensor | None, chain_length: int, table: torch.Tensor | None,
-                   always: bool = False, branch: Draft | None = None):
+                   always: bool = False, branch: Draft | None = None, share: BatchShare = BatchShare()):
         """The token tree one sequence verifies this round instead of its chain's first ``chain_length`` drafts, or
         None for the chain. Each node's survival is corrected like the chain's (the survival correction's factor at
         its depth, never above its parent's); a free source's ``branch`` (its offer, priced by its own confidences)
         is grafted on; the nodes are admitted by ``tree_schedule``, and the tree is taken where it holds a node off
         the chain and its expected rate beats the chain's. ``always``: every round, with at least one node more
-        than the chain (within the tree and ``max_verify``). Needs a policy priced by SPS."""
+        than the chain (within the tree and ``max_verify``). ``share``: the rest of the batch the row's round is
+        priced within (alone by default). Needs a policy priced by SPS."""
         if table is None or tree.size == 0:
             return None
         tree = tree.ranked(self._corrected_survival(tree))
         if branch is not None and branch.confidences is not None:
             tree = tree.graft(branch.token_ids[0], branch.confidences[0].float())
-        nodes, rate = tree_schedule(tree.survival, table)
+        nodes, rate = tree_schedule(tree.survival, table, share)
         if self.max_verify is not None:
             nodes = min(nodes, self.max_verify)
         if always:
@@ -458,7 +463,7 @@ class Planner:
             return tree.prefix(nodes) if nodes else None
         if nodes == 0 or tree.prefix(nodes).is_chain():
             return None
-        chain = chain_rate(self._corrected(confidences.float()[None].to(self.device))[0], chain_length, table) \
+        chain = chain_rate(self.corrected(confidences), chain_length, table, share) \
             if confidences is not None else 0.0
         return tree.prefix(nodes) if rate > chain else None
 

@@ -43,7 +43,9 @@ class DSparkRound:
     accepted: int  # leading verified drafts the target accepted
     emitted_ids: list[int]  # tokens the round appended: the accepted drafts, then the target's own token
     confidences: list[float] | None  # c_1..c_g of the block (None: no confidence head, or nothing drafted)
-    source: str = "block"  # "block" (the drafter), "lookup" (prompt lookup) or "none"
+    source: str = "block"  # "block" (the drafter), "tree" (its token tree), "lookup" (prompt lookup) or "none"
+    # a token-tree round's tree: {"tokens": [...], "parents": [...] (-1: the anchor), "path": [...] (accepted nodes)}
+    tree: dict | None = None
 
 
 def stats_lists(confidences: torch.Tensor | None, logits: torch.Tensor | None) -> tuple[list | None, list | None]:

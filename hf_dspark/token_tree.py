@@ -9,7 +9,10 @@ product. So a round's block can propose several continuations at each depth, not
 Each node carries its predicted survival: the probability that the target's own path runs through it. A parent's
 first-choice child survives with the parent's confidence ``c`` (the confidence head conditioned on that parent: the
 probability that its first choice is accepted); the other children share the rest, ``1 - c``, in proportion to the
-drafter's probabilities (without a confidence head, the drafter's probability itself). Survival multiplies along a
+drafter's probabilities, each never above the drafter's own probability (without a confidence head, the drafter's
+probability itself). The cap matters where the confidence head doubts a first choice the backbone is sure of: the
+share of the rest would then hand a second choice most of ``1 - c``, where held-out data finds it right about as
+often as the drafter's own probability says (``scripts/tree_calibration.py``). Survival multiplies along a
 path, so a node never survives more than its parent: the n nodes of highest survival always form a tree, and a tree
 is stored in that order (parents before children, every prefix a tree). The planner prices a prefix of it the way
 it prices a chain (``budget.tree_schedule``).
@@ -229,7 +232,7 @@ def _children(drafter, base: torch.Tensor, hidden: torch.Tensor, parents: torch.
     else:
         confidence = torch.sigmoid(drafter.confidence_logits(rows, parents).float() / temperature.float())
         rest = (1.0 - confidence) / (1.0 - top).clamp(min=1e-12)
-        conditional = probs * rest[:, None]
+        conditional = torch.minimum(probs * rest[:, None], probs)
         conditional.scatter_(1, first[:, None], confidence[:, None])
     return survival[:, None] * conditional, first
 

@@ -62,6 +62,32 @@ def test_token_tree_rounds_keep_greedy_output(pair):
         drafter.generation_config.draft_tree = None
 
 
+def test_engine_token_tree_rounds_keep_greedy_output(pair):
+    """The batched engine with a token tree in every greedy drafting row (two requests in a step): each output is
+    plain greedy's; a sliding-window family says why it cannot take trees."""
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from hf_dspark.profiling import BatchedStepsPerSecond
+
+    family, target, drafter, prompt, plain = pair
+    other = torch.randint(2, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(2))
+    other_plain = target.generate(other, max_new_tokens=NEW_TOKENS, do_sample=False)
+    drafter.generation_config.draft_tree = "always"
+    try:
+        run = lambda: generate_batch(target, [prompt[0], other[0]], drafter,  # noqa: E731
+                                     SamplingParams(max_new_tokens=NEW_TOKENS), policy="scheduler",
+                                     sps=BatchedStepsPerSecond({1: SPS, 2: SPS}))
+        if family in SLIDING:
+            with pytest.raises(ValueError, match="draft_tree='always'.*sliding-window"):
+                run()
+            return
+        out = run()
+    finally:
+        drafter.generation_config.draft_tree = None
+    assert out.outputs[0].token_ids == plain[0, prompt.shape[1]:].tolist()
+    assert out.outputs[1].token_ids == other_plain[0, other.shape[1]:].tolist()
+    assert sum(o.stats.sources.count("tree") for o in out.outputs) > 0
+
+
 @pytest.mark.parametrize("policy", ["fixed", "hybrid"])
 def test_optimised_target_greedy_equals_stock_plain(pair, policy):
     """With the target's linears prepacked (hf_dspark.optimize_target), generate() and the engine still give plain

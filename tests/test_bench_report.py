@@ -132,6 +132,12 @@ def test_serve_markdown_table():
     interleaved["results"]["scheduled"]["1"]["vs_plain"] = {"aggregate": 1.42, "aggregate_se_factor": 1.013}
     assert "| 1 | 20.0 tok/s | **1.42x** (s.e. x/÷1.013), 31.0 tok/s, tau 2.10, 3.2 drafts/step, 4/4 same |" in (
         render_serve_markdown(interleaved, {}).splitlines())
+    trees = _serve_payload()
+    trees["results"]["scheduled"]["1"]["by_source"] = {
+        "block": {"rounds": 6, "verified": 18, "accepted": 9}, "tree": {"rounds": 2, "verified": 22, "accepted": 5},
+        "none": {"rounds": 2, "verified": 0, "accepted": 0}}
+    assert ("| 1 | 20.0 tok/s | **1.55x** (1.50-1.60), 31.0 tok/s, tau 2.10, 3.2 drafts/step, 4/4 same, trees 20% of "
+            "rounds (11.0 nodes, 2.50 accepted) |") in render_serve_markdown(trees, {}).splitlines()
     no_machine = render_serve_markdown(_serve_payload(), {"command": "x"})
     assert "- Machine: not recorded in the report" in no_machine
     with pytest.raises(ValueError, match="no results"):

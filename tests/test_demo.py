@@ -75,6 +75,36 @@ def test_round_html_all_accepted_no_confidences_and_empty_round():
     assert spans(round_html(empty, str)) == [("bonus", "7")]
 
 
+def test_a_tree_round_is_drawn_as_its_tree():
+    """anchor -> 10 (-> 12, -> 13), anchor -> 11; the target took 10 then 13, then its own 99."""
+    tree = {"tokens": [10, 11, 12, 13], "parents": [-1, -1, 0, 0], "path": [0, 3]}
+    record = DSparkRound(index=1, draft_ids=[10, 13], verified=4, accepted=2, emitted_ids=[10, 13, 99],
+                         confidences=[0.9, 0.4], source="tree", tree=tree)
+    markup = round_html(record, lambda i: f"t{i}")
+    assert spans(markup) == [("accepted", "t10"), ("rejected", "t12"), ("accepted", "t13"), ("rejected", "t11"),
+                             ("bonus", "t99")]
+    assert markup.count('<ul class="dspark-tree"') == 2  # the anchor's children, and node 10's
+    assert "round 2: 2/4 accepted, 3 emitted (drafter's token tree)" in markup
+    cropped = DSparkRound(index=1, draft_ids=[10], verified=4, accepted=1, emitted_ids=[10, 13], confidences=None,
+                          source="tree", tree=tree)  # the loop cropped the path (a length limit)
+    assert [status for status, _ in spans(round_html(cropped, str))].count("accepted") == 1
+
+
+def test_runner_draws_the_trees_it_verifies(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))
+    target, tokenizer, drafter = tiny_models
+    runner = DemoRunner(target, tokenizer, drafter, sps_time_budget_s=2.0, update_interval_s=0.0)
+    assert runner.trees
+    final = list(runner.run(PROMPT, 16, "scheduler", 0.5, 4, "always"))[-1]
+    assert "identical to plain greedy: yes" in final[5] and final[2] == final[0]
+    assert 'data-source="tree"' in final[4] and "dspark-tree" in final[4]
+    assert getattr(drafter.generation_config, "draft_tree", None) in (None, "chain")  # restored
+    with pytest.raises(ValueError, match="scheduler or hybrid"):
+        next(runner.run(PROMPT, 8, "fixed", 0.5, 4, "auto"))
+    with pytest.raises(ValueError, match="unknown token-tree setting 'bushy'"):
+        next(runner.run(PROMPT, 8, "scheduler", 0.5, 4, "bushy"))
+
+
 def test_make_policy():
     assert isinstance(make_policy("fixed", 3, 0.5, 7), FixedLengthPolicy)
     assert make_policy("fixed", 3, 0.5, 7).num_to_verify(None, 7) == 3
@@ -184,7 +214,7 @@ def test_gradio_client_streams_side_by_side(tiny_app, tiny_models):
     _, url = tiny_app
     target, tokenizer, _ = tiny_models
     client = Client(url, verbose=False)
-    job = client.submit(PROMPT, 40, "fixed", 0.5, 4, api_name="/generate")
+    job = client.submit(PROMPT, 40, "fixed", 0.5, 4, "chain", api_name="/generate")
     final = job.result(timeout=60)
     outputs = job.outputs()
     assert len(outputs) >= 4, "expected several streamed updates"
@@ -204,8 +234,8 @@ def test_gradio_client_streams_side_by_side(tiny_app, tiny_models):
     # an empty prompt: one message in the summary, every other panel cleared, no error
     from hf_dspark.demo import EMPTY_PROMPT_MESSAGE
 
-    assert client.predict("   ", 8, "threshold", 0.5, 4, api_name="/generate") == ("", "", "", "", "",
-                                                                                 EMPTY_PROMPT_MESSAGE)
+    assert client.predict("   ", 8, "threshold", 0.5, 4, "chain", api_name="/generate") == (
+        "", "", "", "", "", EMPTY_PROMPT_MESSAGE)
 
 
 def _chromium() -> str | None:
@@ -272,7 +302,7 @@ def test_demo_on_default_model():
     try:
         client = Client(url, verbose=False)
         plain_text, _, dspark_text, _, rounds, summary = client.predict(
-            "What is 12 times 7?", 24, "fixed", 0.5, drafter.config.block_size, api_name="/generate")
+            "What is 12 times 7?", 24, "fixed", 0.5, drafter.config.block_size, "chain", api_name="/generate")
     finally:
         demo.close()
     assert plain_text.strip() and dspark_text == plain_text

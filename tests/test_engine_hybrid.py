@@ -111,10 +111,10 @@ def test_hybrid_sampling_matches_target_distribution_per_request(sampling_setup)
 
 def test_hybrid_wrong_lookup_q_is_detected(sampling_setup, monkeypatch):  # noqa: F811
     """A uniform q for the lookup's drafts instead of the one-hot they are drawn from must fail the same test."""
-    from hf_dspark.engine import batching
+    from hf_dspark.engine import verification
 
     target, drafter, prompt, exact = sampling_setup
-    monkeypatch.setattr(batching, "one_hot_probs",
+    monkeypatch.setattr(verification, "one_hot_probs",
                         lambda ids, vocab: torch.full((*ids.shape, vocab), 1.0 / vocab, device=ids.device))
     counts, _, _ = sample_pairs_batched(target, drafter, prompt, SAMPLING_HYBRID, seed=11)
     pvalue = chi_square_pvalue(counts["t07k4"], exact["t07k4"])

@@ -247,3 +247,51 @@ def test_the_cli_offers_every_draft_tree_setting():
     assert parser.parse_args(["bench", "--prompts", "p", "--draft-tree", "chain", "auto"]).draft_tree == ["chain", "auto"]
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--draft-tree", "bushy"])
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The batched engine
+# ------------------------------------------------------------------------------------------------------------------
+ENGINE_FREE_WIDTH = StepsPerSecond([1, 4096], [100.0, 99.0])
+
+
+@pytest.mark.parametrize("mode", ["always", "auto"])
+def test_engine_tree_rounds_keep_greedy_output(tiny_targets, trained_drafters, family, mode):
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from tests.test_engine import in_distribution_prompts, plain_greedy
+
+    target, drafter = tiny_targets[family], copy.deepcopy(trained_drafters[family])
+    drafter.generation_config.draft_tree = mode
+    prompts = in_distribution_prompts(target, 5)
+    max_new = [30, 3, 25, 1, 17]
+    result = generate_batch(target, prompts, drafter, [SamplingParams(max_new_tokens=m) for m in max_new],
+                            max_concurrency=3, policy="scheduler", sps=ENGINE_FREE_WIDTH)
+    for prompt, m, out in zip(prompts, max_new, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, m), f"request {out.request_id} diverged"
+    trees = sum(out.stats.sources.count("tree") for out in result.outputs)
+    assert trees > 0  # width is nearly free here: the planner takes trees
+    assert max(result.stats.widths) > drafter.config.block_size + 1 or mode == "auto"
+
+
+def test_engine_trees_beside_sampled_rows_and_the_chain_setting(llama_pair):
+    from hf_dspark.engine import DSparkEngine, SamplingParams, generate_batch
+    from tests.test_engine import in_distribution_prompts, plain_greedy
+
+    target, drafter = llama_pair
+    drafter = copy.deepcopy(drafter)
+    drafter.generation_config.draft_tree = "always"
+    prompts = in_distribution_prompts(target, 4)
+    params = [SamplingParams(max_new_tokens=20), SamplingParams(max_new_tokens=20, do_sample=True, seed=3),
+              SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=20, do_sample=True, seed=4)]
+    result = generate_batch(target, prompts, drafter, params, policy="scheduler", sps=ENGINE_FREE_WIDTH)
+    for i in (0, 2):
+        assert result.outputs[i].token_ids == plain_greedy(target, prompts[i], params[i].max_new_tokens)
+        assert "tree" in result.outputs[i].stats.sources
+    for i in (1, 3):  # sampled rows verify their chain
+        assert "tree" not in result.outputs[i].stats.sources and len(result.outputs[i].token_ids) == 20
+    drafter.generation_config.draft_tree = "chain"
+    chain = generate_batch(target, prompts[:1], drafter, params[:1], policy="scheduler", sps=ENGINE_FREE_WIDTH)
+    assert "tree" not in chain.outputs[0].stats.sources
+    drafter.generation_config.draft_tree = "always"
+    with pytest.raises(ValueError, match="draft_tree='always'.*SPS"):
+        DSparkEngine(target, drafter, policy="fixed")

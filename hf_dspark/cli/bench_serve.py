@@ -12,7 +12,7 @@ from transformers.hf_argparser import HfArg
 
 from ..allocator import BENCH_PRETOUCH_MIB, fix_allocator, pretouch_setting
 from .arguments import UsageError
-from .common import OPTIMIZE_HELP, OptimizeMode
+from .common import DRAFT_TREE_HELP, OPTIMIZE_HELP, DraftTree, OptimizeMode
 from .common import DRAFTER_HELP, PROMPTS_HELP, SEED_HELP, TARGET_HELP, THREADS_HELP, DType, require_prompts
 from .common import device as chosen_device
 from .common import setup_target
@@ -56,6 +56,7 @@ class ServeSettings:
         "Algorithm 1 over single entries, or dynamic top-K"))
     sps: str | None = HfArg(default=None, help="SPS profile JSON (default: profile the target, cached)")
     drafter: str | None = HfArg(default=None, help=DRAFTER_HELP)
+    draft_tree: DraftTree | None = HfArg(default=None, help=DRAFT_TREE_HELP)
     target: str | None = HfArg(default=None, help=TARGET_HELP)
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
     device: str = HfArg(default="auto", help="where the models run (auto: cuda if available, else cpu)")
@@ -210,6 +211,8 @@ def _models(settings: ServeSettings, methods: list[str], device: torch.device):
     if any(not m.startswith("plain") for m in methods):
         drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
         drafter = drafter.to(device)
+        if settings.draft_tree is not None:
+            drafter.generation_config.draft_tree = settings.draft_tree
     return target, tokenizer, drafter, origin
 
 

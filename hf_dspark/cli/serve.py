@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from transformers.hf_argparser import HfArg
 
 from .arguments import UsageError
-from .common import OPTIMIZE_HELP, OptimizeMode
+from .common import DRAFT_TREE_HELP, OPTIMIZE_HELP, DraftTree, OptimizeMode
 from .common import DRAFTER_HELP, TARGET_HELP, THREADS_HELP, DType, setup_target
 from .policies import DEFAULT_POLICY, current_spec, drafter_policy, engine_spec
 
@@ -21,6 +21,7 @@ class ServeSettings:
     port: int = HfArg(default=8000, help="port", metadata={"bounds": (1, 65535)})
     target: str | None = HfArg(default=None, help=TARGET_HELP)
     drafter: str | None = HfArg(default=None, help=DRAFTER_HELP)
+    draft_tree: DraftTree | None = HfArg(default=None, help=DRAFT_TREE_HELP)
     dtype: DType = HfArg(default="float32", help="weight dtype of target and drafter")
     max_concurrency: int = HfArg(default=16, help="most requests in the batch at once; more wait and join as others "
                                  "finish", metadata={"bounds": (1, None)})
@@ -65,6 +66,8 @@ def run(settings: ServeSettings) -> int:
     if settings.policy != "plain":
         drafter, origin = load_drafter_for(target, settings.drafter, dtype=dtype)
         print(f"hf-dspark serve: drafter {origin}", flush=True)
+        if settings.draft_tree is not None:
+            drafter.generation_config.draft_tree = settings.draft_tree
         settings.policy = drafter_policy(settings.policy, drafter)
     name = settings.model_name or Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     print(f"hf-dspark serve: {name} on http://{settings.host}:{settings.port}/v1 (policy {settings.policy}, at most "

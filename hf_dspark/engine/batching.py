@@ -84,13 +84,8 @@ from .requests import (
     per_request,
     sampling_groups,
 )
-from .verification import (
-    _processed_probs,
-    greedy_verify,
-    one_hot_probs,
-    schedule_kernel_kinds,
-    speculative_verify,
-)
+from .trees import EngineTrees
+from .verification import _processed_probs, accept_rows, schedule_kernel_kinds
 
 
 class DSparkEngine:
@@ -137,9 +132,12 @@ class DSparkEngine:
         self.stats = EngineStats()
         self.batch = Batch()
         scheduled = policy is not None and policy.needs_sps
+        self.trees = EngineTrees(self.drafter, scheduled, layout.windowed,
+                                 target.config.get_text_config()._attn_implementation == "eager")
         self.pricing = VerifyPricing(target, self.block_size, self._taps, self.measurements, config.sps,
                                      (config.sps is None) if config.adapt_sps is None else config.adapt_sps,
-                                     config.max_concurrency) if scheduled else None
+                                     config.max_concurrency, self.trees.tokens_per_request(self.block_size)) \
+            if scheduled else None
         self.planner = engine_planner(config, policy, self.measurements, self.stats, self.block_size, self.device)
         if self.planner.realized_gate:
             self.measurements.bind_gate_tokens(config.gate_tokens)
@@ -291,17 +289,19 @@ class DSparkEngine:
         block, draft_marks = self._propose(plan.drafting)
         confidences = None if block is None else block.confidences
         lengths = self.planner.lengths(plan, confidences, table)
+        trees = self.trees.choose(self.planner, self.batch.rows, plan, block, lengths, table)
         plain_seconds = self._plain_price(plan)
         self._record_cache_shape()
         verifying = time.perf_counter()
-        accepted, next_tokens = self._verify(lengths, plan, block)
+        accepted, next_tokens, paths = self._verify(lengths, plan, block, trees)
         verified = time.perf_counter()
-        self._record_timings(plan.drafting, draft_marks, lengths, verified - verifying)
-        emitted = self._commit(events, plan, block, lengths, accepted, next_tokens)
+        widths = self.trees.verified(lengths, trees)  # what each row verified: its chain's drafts or tree's nodes
+        self._record_timings(plan.drafting, draft_marks, widths, verified - verifying)
+        emitted = self._commit(events, plan, block, lengths, accepted, next_tokens, trees, paths)
         self._retire()
-        self.planner.observe(plan, confidences, lengths, accepted)
+        self.planner.observe(plan, confidences, *self.trees.chain_view(lengths, accepted, trees, paths))
         self._record_confidences(plan, confidences)
-        self._record_step(plan, lengths, remaining, emitted, (started, verifying, verified), plain_seconds)
+        self._record_step(plan, widths, remaining, emitted, (started, verifying, verified), plain_seconds)
         return events
 
     def _catch_up(self, rows) -> float:
@@ -364,9 +364,10 @@ class DSparkEngine:
             self.measurements.record_verify(len(lengths), 1 + max(lengths), verify_seconds)
 
     def _commit(self, events: list[TokenEvent], plan: Plan, block: Draft | None, lengths: list[int],
-                accepted: list[int], next_tokens: list[int]) -> list[int]:
+                accepted: list[int], next_tokens: list[int], trees: dict, paths: dict) -> list[int]:
         """Each row's round: its statistics, what its offer delivered (for the source), its new tokens (emitted and
-        streamed), and the outputs of requests that finish. Returns the tokens each row emitted."""
+        streamed; a tree row's along its accepted path), and the outputs of requests that finish. Returns the
+        tokens each row emitted."""
         block_row = {i: k for k, i in enumerate(plan.drafting)}
         ids = [] if block is None else block.token_ids.tolist()
         confidences = None if block is None or block.confidences is None else block.confidences.detach().float()
@@ -375,7 +376,11 @@ class DSparkEngine:
         counts = []
         for i, request in enumerate(self.batch.rows):
             k, offer = block_row.get(i), plan.offers.get(i)
-            if offer is not None and lengths[i] > 0:
+            tree = trees.get(i)
+            if tree is not None:
+                request.stats.add_round(tree.size, tree.size, accepted[i], listed[k] if listed else None,
+                                        raw[k] if raw else None, "tree")
+            elif offer is not None and lengths[i] > 0:
                 request.stats.add_round(offer.num_tokens, lengths[i], accepted[i], source=offer.source)
                 self.planner.observe_offer(offer, lengths[i], accepted[i])
             else:
@@ -384,6 +389,8 @@ class DSparkEngine:
                                         raw[k] if raw and k is not None else None,
                                         "block" if k is not None else "none")
             proposed = ids[k] if k is not None else offer.token_ids[0].tolist() if offer is not None else []
+            if tree is not None:
+                proposed = tree.tokens[paths[i]].tolist()
             request.length += accepted[i] + 1
             new = request.emit(proposed[: accepted[i]] + [next_tokens[i]])
             counts.append(len(new))
@@ -582,74 +589,57 @@ class DSparkEngine:
     # --------------------------------------------------------------------------------------------------------------
     # Verification: one padded target forward over every request's block
     # --------------------------------------------------------------------------------------------------------------
-    def _verify(self, lengths: list[int], plan: Plan, block: Draft | None) -> tuple[list[int], list[int]]:
-        """Every row's ``[anchor, drafts...]`` in one padded target forward, then each group of equal sampling
-        parameters accepted together. Keeps the anchor and the accepted drafts in the cache; rejected drafts and
-        padding become holes."""
+    def _verify(self, lengths: list[int], plan: Plan, block: Draft | None,
+                trees: dict) -> tuple[list[int], list[int], dict[int, list[int]]]:
+        """Every row's ``[anchor, drafts...]`` (a tree row's ``[anchor, nodes...]``, ``EngineTrees``) in one padded
+        target forward, then each group of equal sampling parameters accepted together. Keeps the anchor and the
+        accepted drafts in the cache; rejected drafts and padding become holes. Returns the accepted drafts, next
+        tokens and each tree row's accepted path."""
         rows, cache, device = self.batch.rows, self.batch.cache, self.device
-        width = max(lengths) + 1
+        width = self.trees.width(lengths, trees)
         num_drafts = torch.tensor(lengths, device=device)
         draft_ids = self._draft_matrix(width, plan, block)
         anchors = torch.tensor([r.anchor for r in rows], device=device)
         block_valid = torch.arange(width, device=device) < (num_drafts + 1)[:, None]  # [R, Q]
         tokens = torch.cat([anchors[:, None], draft_ids], dim=1)
+        offsets = torch.arange(width, device=device).repeat(len(rows), 1)
+        self.trees.place(tokens, offsets, block_valid, trees)
         tokens = torch.where(block_valid, tokens, anchors[:, None])  # padding: any real id, masked out
-        positions = torch.tensor([r.length for r in rows], device=device)[:, None] + torch.arange(width, device=device)
+        positions = torch.tensor([r.length for r in rows], device=device)[:, None] + offsets
         extra = {"output_hidden_states": list(self._taps)} if self.drafter is not None else {}
         if self.layout.windowed:
             mask = self._windowed_masks(cache.attention_mask(block_valid),
                                         torch.cat([cache.key_positions(), positions], dim=1), positions)
+        elif trees:
+            mask = self.trees.mask(cache.valid, block_valid, trees, next(self.target.parameters()).dtype)
         else:
             mask = cache.attention_mask(block_valid)
         with packed_attention(self.target):  # no per-head copy of the cache for a wide block
             out = self.target(input_ids=tokens, attention_mask=mask,
                               position_ids=positions, cache=cache.target_cache, use_cache=True, **extra)
-        accepted, next_tokens = self._accept(out.logits.float(), draft_ids, num_drafts, lengths, plan, block)
+        logits = out.logits.float()
+        accepted, next_tokens = accept_rows(rows, logits, draft_ids, num_drafts, lengths, plan, block, self._generator)
+        paths = self.trees.accept(logits, trees, accepted, next_tokens)
         if self.drafter is not None:  # the verified positions' features wait until the request drafts again
-            self.batch.context.defer([out.hidden_states[i] for i in self._taps], positions, (accepted + 1).tolist())
-        cache.commit(torch.arange(width, device=device) <= accepted[:, None])
-        return accepted.tolist(), next_tokens.tolist()
+            taps, order = [out.hidden_states[i] for i in self._taps], self.trees.path_first(paths, len(rows), width,
+                                                                                            device)
+            if order is not None:  # a tree row's path columns first: the features of its accepted positions
+                taps = [t.gather(1, order[:, :, None].expand(-1, -1, t.shape[-1])) for t in taps]
+                positions = positions.gather(1, order)
+            self.batch.context.defer(taps, positions, (accepted + 1).tolist())
+        cache.commit(self.trees.kept(width, accepted, paths))
+        return accepted.tolist(), next_tokens.tolist(), paths
 
     def _draft_matrix(self, width: int, plan: Plan, block: Draft | None) -> torch.Tensor:
         """[R, width - 1] drafts: each block row's and each offer row's, zeros elsewhere."""
         draft_ids = torch.zeros(len(self.batch.rows), width - 1, dtype=torch.long, device=self.device)
         if block is not None and width > 1:
-            draft_ids[torch.tensor(plan.drafting, device=self.device)] = block.token_ids[:, : width - 1]
+            n = min(width - 1, block.token_ids.shape[1])  # a step with a tree can be wider than the block
+            draft_ids[torch.tensor(plan.drafting, device=self.device), :n] = block.token_ids[:, :n]
         for i, offer in plan.offers.items():
             n = min(offer.num_tokens, width - 1)
             draft_ids[i, :n] = offer.token_ids[0, :n].to(self.device)
         return draft_ids
-
-    def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor, lengths: list[int],
-                plan: Plan, block: Draft | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accepted drafts [R] and the target's next token [R]: greedy matching, or speculative sampling against each
-        draft's q (the block's sampled distribution; one-hot for an offer, whose drafts are deterministic)."""
-        rows, device = self.batch.rows, self.device
-        accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
-        next_tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
-        block_row = {r: k for k, r in enumerate(plan.drafting)}
-        width = draft_ids.shape[1] + 1
-        for members in sampling_groups([r.params for r in rows]).values():
-            params = rows[members[0]].params
-            sel = torch.tensor(members, device=device)
-            if not params.do_sample:
-                accepted[sel], next_tokens[sel] = greedy_verify(draft_ids[sel], num_drafts[sel], logits[sel])
-                continue
-            q = logits.new_zeros(len(members), width - 1, logits.shape[-1])
-            drafted = [k for k, i in enumerate(members) if i in block_row and lengths[i] > 0]
-            if drafted and width > 1:
-                source = torch.tensor([block_row[members[k]] for k in drafted], device=device)
-                q[torch.tensor(drafted, device=device)] = torch.softmax(
-                    block.q.index_select(0, source)[:, : width - 1], dim=-1)
-            offered = [k for k, i in enumerate(members) if i in plan.offers and lengths[i] > 0]
-            if offered:
-                at = torch.tensor(offered, device=device)
-                q[at] = one_hot_probs(draft_ids[sel].index_select(0, at), logits.shape[-1])
-            p = _processed_probs(logits[sel], params.warpers())
-            accepted[sel], next_tokens[sel] = speculative_verify(draft_ids[sel], num_drafts[sel], q, p,
-                                                                 self._generator(rows[members[0]]))
-        return accepted, next_tokens
-
 
 # ------------------------------------------------------------------------------------------------------------------
 # One-call API

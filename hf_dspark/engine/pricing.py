@@ -29,13 +29,15 @@ KERNEL_QUIET_TIMEOUT_S = 30.0
 class VerifyPricing:
     """SPS tables per batch size for the scheduler: the profile (``sps``; None profiles the target once, cached, at
     batch sizes 1, 2, 4, .. up to ``max_concurrency``), repriced by ``measurements``' verify timings when
-    ``adapt_sps``."""
+    ``adapt_sps``. ``tokens_per_request``: the widest block a row verifies (default ``block_size + 1``; wider where
+    rows verify token trees)."""
 
     def __init__(self, target, block_size: int, taps: list[int], measurements: EngineMeasurements, sps=None,
-                 adapt_sps: bool = False, max_concurrency: int | None = None):
+                 adapt_sps: bool = False, max_concurrency: int | None = None, tokens_per_request: int | None = None):
         self.target = target
         self.device = next(target.parameters()).device
         self.block_size = block_size
+        self.tokens_per_request = tokens_per_request or block_size + 1
         self.taps = taps
         self.measurements = measurements
         self.sps = sps
@@ -75,7 +77,7 @@ class VerifyPricing:
         profiled = self._profiled_list(num_requests)
         ratios = self._log_cost_ratios()
         level = self._log_level(num_requests, ratios)
-        widths = [w for w in range(1, self.block_size + 2) if num_requests * w < table.shape[0]]
+        widths = [w for w in range(1, self.tokens_per_request + 1) if num_requests * w < table.shape[0]]
         log_costs, weights = [], []
         excess = 0.0  # carried to wider widths not run here: they are at least as much dearer than the level
         for w in widths:
@@ -145,7 +147,7 @@ class VerifyPricing:
         # The scheduler kernels this engine started compiling in the background wait meanwhile: a compile beside the
         # timed forwards would price them slower than they run (``KernelWarmup.quiet``).
         with self._quiet_kernels():
-            self.sps = load_or_profile_batched(self.target, sizes, self.block_size + 1,
+            self.sps = load_or_profile_batched(self.target, sizes, self.tokens_per_request,
                                                 hidden_state_indices=self.taps, progress=progress)
 
     def profiled_table(self, num_requests: int) -> torch.Tensor:
@@ -155,7 +157,7 @@ class VerifyPricing:
             if isinstance(self.sps, StepsPerSecond):
                 table = self.sps.table()
             else:
-                table = self.sps.table(num_requests, num_requests * (self.block_size + 1))
+                table = self.sps.table(num_requests, num_requests * self.tokens_per_request)
             if table.shape[0] <= num_requests:
                 raise ValueError(f"the SPS profile covers {table.shape[0] - 1} batch tokens, fewer than the "
                                  f"{num_requests} active requests' anchors; profile larger batches")

@@ -3,10 +3,13 @@ testable without a model. The sharing of its verification budget (``schedule_bat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from transformers import LogitsProcessorList
 
 from ..scheduling import SCHEDULES
+from .requests import sampling_groups
 
 # The Triton kernel variant family (``hf_dspark.kernels``) each schedule launches on CUDA.
 SCHEDULE_KERNELS = {"padded": "width", "prefix": "prefix", "topk": "topk"}
@@ -86,3 +89,37 @@ def speculative_verify(draft_ids: torch.Tensor, num_drafts: torch.Tensor, draft_
 def one_hot_probs(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """q [..., V] of deterministic drafts (prompt lookup): all the mass on each drafted token of ``draft_ids``."""
     return torch.nn.functional.one_hot(draft_ids, vocab_size).float()
+
+
+def accept_rows(rows: Sequence, logits: torch.Tensor, draft_ids: torch.Tensor, num_drafts: torch.Tensor,
+                lengths: list[int], plan, block, generator_of: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted drafts [R] and the target's next token [R] for a step's ``rows`` (requests, ``logits`` [R, Q, V]):
+    greedy matching, or speculative sampling against each draft's q (the block's sampled distribution; one-hot for an
+    offer, whose drafts are deterministic), one group of equal sampling parameters at a time, each drawing from
+    ``generator_of(request)``."""
+    device = logits.device
+    accepted = torch.zeros(len(rows), dtype=torch.long, device=device)
+    next_tokens = torch.zeros(len(rows), dtype=torch.long, device=device)
+    block_row = {r: k for k, r in enumerate(plan.drafting)}
+    width = draft_ids.shape[1] + 1
+    for members in sampling_groups([r.params for r in rows]).values():
+        params = rows[members[0]].params
+        sel = torch.tensor(members, device=device)
+        if not params.do_sample:
+            accepted[sel], next_tokens[sel] = greedy_verify(draft_ids[sel], num_drafts[sel], logits[sel])
+            continue
+        q = logits.new_zeros(len(members), width - 1, logits.shape[-1])
+        drafted = [k for k, i in enumerate(members) if i in block_row and lengths[i] > 0]
+        if drafted and width > 1:
+            source = torch.tensor([block_row[members[k]] for k in drafted], device=device)
+            n = min(width - 1, block.q.shape[1])  # a step with a token tree can be wider than the block
+            q[torch.tensor(drafted, device=device), :n] = torch.softmax(
+                block.q.index_select(0, source)[:, :n], dim=-1)
+        offered = [k for k, i in enumerate(members) if i in plan.offers and lengths[i] > 0]
+        if offered:
+            at = torch.tensor(offered, device=device)
+            q[at] = one_hot_probs(draft_ids[sel].index_select(0, at), logits.shape[-1])
+        p = _processed_probs(logits[sel], params.warpers())
+        accepted[sel], next_tokens[sel] = speculative_verify(draft_ids[sel], num_drafts[sel], q, p,
+                                                             generator_of(rows[members[0]]))
+    return accepted, next_tokens

@@ -157,6 +157,11 @@ def _serve_cell(row: dict, baseline: str | None) -> str:
         cell += f", tau {row['accepted_length']:.2f}, {row['mean_verify_tokens_per_step']:.1f} drafts/step"
         if "identical_to_plain" in row:
             cell += f", {row['identical_to_plain']} same"
+        tree = row.get("by_source", {}).get("tree")
+        if tree:  # token-tree rounds: their share of the rounds, nodes verified and drafts accepted per tree
+            rounds = sum(entry["rounds"] for entry in row["by_source"].values())
+            cell += (f", trees {100 * tree['rounds'] / rounds:.0f}% of rounds ({tree['verified'] / tree['rounds']:.1f} "
+                     f"nodes, {tree['accepted'] / tree['rounds']:.2f} accepted)")
     return cell
 
 

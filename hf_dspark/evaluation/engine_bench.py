@@ -38,6 +38,7 @@ from .paired_ratios import (  # noqa: F401  (plot_bench re-exported)
 from ..scheduling import SCHEDULES
 from ..policy_names import current_policy
 from ..scheduling import VERIFICATION_POLICIES
+from ..stats import totals_by_source
 
 
 def parse_policy(spec: str, default_schedule: str = "padded") -> dict:
@@ -309,6 +310,9 @@ def _summary(outputs: list, wall: float, concurrency: int, engine: DSparkEngine)
                                      "p10": _percentile(per_request, 0.1), "p90": _percentile(per_request, 0.9)},
         "accepted_length": (accepted + rounds) / rounds if rounds else 0.0,
         "acceptance_rate": accepted / verified if verified else 0.0,
+        "by_source": totals_by_source([s for o in outputs for s in o.stats.sources],
+                                      verified=[v for o in outputs for v in o.stats.verified],
+                                      accepted=[a for o in outputs for a in o.stats.accepted]),
         **engine.stats.summary(),
     }
 
