@@ -38,8 +38,8 @@ except ImportError:  # pragma: no cover - loaded as a top-level module
     from setting_choices import checked_choice  # type: ignore[no-redef]
 
 # ``drafter.generation_config.draft_tree``:
-#   "chain"   (default) never a tree: on the CPUs measured so far a priced tree reads about the chain's speed in
-#             float32 and below it in bfloat16 (BENCHMARKS.md, "Token trees"), so trees are opt-in
+#   "chain"   (default) never a tree: on the CPUs measured so far a priced tree reads the chain's speed within
+#             noise, in float32 and bfloat16 (BENCHMARKS.md, "Token trees"), so trees are opt-in
 #   "auto"    each greedy block round verifies the tree the planner prices above the chain, or the chain where the
 #             tree would not pay more
 #   "always"  every greedy block round verifies a tree (sized by the planner, never smaller than the chain it would

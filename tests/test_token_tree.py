@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache, RepetitionPenaltyLogitsProcessor
 
-from hf_dspark.budget import chain_rate, tree_schedule
+from hf_dspark.budget import BatchShare, chain_rate, tree_schedule
 from hf_dspark.scheduling import StepsPerSecond
 from hf_dspark.token_tree import TokenTree, draft_tree_mode, grow_tree, tree_obstacle
 from hf_dspark.tree_round import PathForward, path_forward, verify_tree
@@ -76,6 +76,30 @@ def test_tree_schedule_admits_nodes_while_the_expected_rate_rises():
     assert nodes == 2 and rate == pytest.approx(2.4 * 98.0)  # a third node: 2.5 * 50 < 2.4 * 98
     assert tree_schedule(torch.tensor([0.0, 0.0]), table) == (0, 100.0)
     assert chain_rate(torch.tensor([0.9, 0.5, 0.5]), 2, table) == pytest.approx((1 + 0.9 + 0.45) * 98.0)
+
+
+def test_a_row_in_a_batch_pays_for_the_rows_its_tree_slows():
+    """Within a batch the row's tree is priced by the whole step: the other rows' expected tokens count in the rate,
+    and a padded step widened by the tree costs every row's width."""
+    table = torch.tensor([100.0 / (1 + 0.02 * b) for b in range(41)])
+    table[0] = 0.0
+    survival = torch.tensor([0.9, 0.5, 0.3, 0.2, 0.1])
+    alone, _ = tree_schedule(survival, table)
+    # three more rows expected to deliver 6 tokens, each verifying 4 (anchor included): a packed step (prefix) adds
+    # the row's width to their 12 tokens; a padded one runs all four rows as wide as the widest
+    packed = BatchShare(expected=6.0, tokens=12, width=4, rows=4)
+    padded = BatchShare(expected=6.0, tokens=12, width=4, rows=4, padded=True)
+    nodes, rate = tree_schedule(survival, table, packed)
+    expected = 6.0 + 1 + float(survival[:nodes].sum())
+    assert rate == pytest.approx(expected * float(table[12 + 1 + nodes]))
+    assert nodes < alone  # the others' tokens make each width dearer in tokens per second
+    nodes, rate = tree_schedule(survival, table, padded)
+    assert nodes == 3  # up to the step's width 4 the tree is free; past it every row widens
+    assert rate == pytest.approx((6.0 + 1 + 0.9 + 0.5 + 0.3) * float(table[16]))
+    assert chain_rate(torch.tensor([0.9, 0.5]), 2, table, padded) == pytest.approx((6.0 + 1 + 0.9 + 0.45)
+                                                                                  * float(table[16]))
+    with pytest.raises(ValueError, match="prices batches of at most 40 tokens"):
+        tree_schedule(survival, table, BatchShare(tokens=40, rows=2))
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +297,21 @@ def test_engine_tree_rounds_keep_greedy_output(tiny_targets, trained_drafters, f
     assert max(result.stats.widths) > drafter.config.block_size + 1 or mode == "auto"
 
 
+def test_engine_a_dear_width_keeps_the_chain(llama_pair):
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from tests.test_engine import in_distribution_prompts, plain_greedy
+
+    target, drafter = llama_pair
+    drafter = copy.deepcopy(drafter)
+    drafter.generation_config.draft_tree = "auto"
+    dear = StepsPerSecond([1, 2, 9, 40], [100.0, 80.0, 40.0, 2.0])
+    prompts = in_distribution_prompts(target, 2)
+    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=16), policy="scheduler",
+                            sps=dear)
+    for prompt, out in zip(prompts, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, 16) and "tree" not in out.stats.sources
+
+
 def test_engine_trees_beside_sampled_rows_and_the_chain_setting(llama_pair):
     from hf_dspark.engine import DSparkEngine, SamplingParams, generate_batch
     from tests.test_engine import in_distribution_prompts, plain_greedy
@@ -295,3 +334,24 @@ def test_engine_trees_beside_sampled_rows_and_the_chain_setting(llama_pair):
     drafter.generation_config.draft_tree = "always"
     with pytest.raises(ValueError, match="draft_tree='always'.*SPS"):
         DSparkEngine(target, drafter, policy="fixed")
+
+
+def test_the_engines_draft_tree_setting_and_the_bench_policy_option(llama_pair):
+    from hf_dspark.engine import DSparkEngine, EngineConfig
+    from hf_dspark.evaluation.engine_bench import parse_policy
+
+    target, drafter = llama_pair
+    drafter = copy.deepcopy(drafter)
+    assert DSparkEngine(target, drafter, policy="scheduler", sps=ENGINE_FREE_WIDTH).trees.off == "draft_tree='chain'"
+    engine = DSparkEngine(target, drafter, policy="scheduler", sps=ENGINE_FREE_WIDTH, draft_tree="auto")
+    assert engine.trees.mode == "auto" and engine.trees.off is None
+    drafter.generation_config.draft_tree = "always"
+    with pytest.warns(UserWarning, match="EngineConfig.draft_tree='chain', not the drafter's .*'always'"):
+        engine = DSparkEngine(target, drafter, policy="scheduler", sps=ENGINE_FREE_WIDTH, draft_tree="chain")
+    assert engine.trees.mode == "chain"
+    with pytest.raises(ValueError, match="unknown draft_tree 'bushy'"):
+        EngineConfig(draft_tree="bushy")
+    assert parse_policy("hybrid=prefix,tree=auto") == {"policy": "hybrid", "schedule": "prefix", "draft_tree": "auto"}
+    assert parse_policy("plain") == {"policy": "plain"}
+    with pytest.raises(ValueError, match="tree=T needs T in"):
+        parse_policy("scheduler,tree=bushy")

@@ -27,7 +27,9 @@ POLICIES_HELP = (
     "request; hybrid=SCHEDULE too) | fixed | fixed=N | scheduler | scheduler=padded|prefix|topk; append ',ungated' "
     "(or scheduler=ungated) to turn the realized gate off, ',emitted' to have the gate count emitted tokens "
     "(gate_tokens); append ',hold=H' to any policy to set the engine's admission_hold (0: admit at once), "
-    "',prefill=F' to set its PrefillCost fixed_tokens (1e9: each admission in one padded forward)")
+    "',prefill=F' to set its PrefillCost fixed_tokens (1e9: each admission in one padded forward), ',tree=T' to set "
+    "its draft_tree (chain | auto | always: token trees for greedy requests, e.g. 'hybrid,tree=auto' beside "
+    "'hybrid')")
 
 
 @dataclass

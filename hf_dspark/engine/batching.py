@@ -67,7 +67,7 @@ from ..planner import Plan
 from ..stats import DSparkStats
 from .admission import PrefillCost, hold_budget, prefill_groups, tail_filled_order
 from .cache import AttentionLayout, DeferredDrafterContext, RaggedBatchCache
-from .config import PLAIN, EngineConfig, engine_policy
+from .config import PLAIN, EngineConfig, engine_draft_tree, engine_policy
 from .measurements import EngineMeasurements, measurement_key, rows_bucket
 from .planning import catch_up_seconds, engine_planner, representative, row_states
 from .pricing import VerifyPricing
@@ -132,7 +132,8 @@ class DSparkEngine:
         self.stats = EngineStats()
         self.batch = Batch()
         scheduled = policy is not None and policy.needs_sps
-        self.trees = EngineTrees(self.drafter, scheduled, layout.windowed,
+        self.trees = EngineTrees(self.drafter, "chain" if self.drafter is None else
+                                 engine_draft_tree(config, self.drafter), scheduled, layout.windowed,
                                  target.config.get_text_config()._attn_implementation == "eager")
         self.pricing = VerifyPricing(target, self.block_size, self._taps, self.measurements, config.sps,
                                      (config.sps is None) if config.adapt_sps is None else config.adapt_sps,

@@ -23,6 +23,7 @@ from ..scheduling import (
 from .admission import ADMISSION_HOLD, PrefillCost
 from .measurements import EngineMeasurements
 from ..scheduling import SCHEDULES
+from ..token_tree import DRAFT_TREES, draft_tree_mode
 
 # The engine's exploration budget (``EngineConfig.explore_budget``) and the longest wait between re-measurements of
 # a losing drafting side (``max_explore_interval``). In a batch a re-measurement costs several times the shortfall of
@@ -140,6 +141,9 @@ class EngineConfig:
     lookup_max_ngram: under ``"hybrid"``, the longest suffix of a request's tokens that prompt lookup matches
         (``hf_dspark.generation.prompt_lookup``). Where the drafter's ``generation_config.lookup_max_ngram`` says
         otherwise, this one is used, with a warning.
+    draft_tree: token trees for greedy requests (``token_tree.DRAFT_TREES``): ``"chain"``, ``"auto"`` (a row's
+        tree where the planner prices it above its chain within the step) or ``"always"``. None (the default): the
+        drafter's ``generation_config.draft_tree``; where that says otherwise, this one is used, with a warning.
     seed: seeds the engine's generator (drafting, acceptance and target sampling).
     optimize_target: ``hf_dspark.optimize_target``'s mode, applied to the target (in place) when the engine is
         built: ``"auto"`` (the default: oneDNN-prepacked linears where they measure faster on this machine; a target
@@ -172,6 +176,7 @@ class EngineConfig:
     measurements: EngineMeasurements | None = None
     gate_tokens: str = "progress"
     lookup_max_ngram: int = 4
+    draft_tree: str | None = None
     seed: int = 0
     optimize_target: str | None = "auto"
     clock: Callable[[], float] = time.perf_counter
@@ -194,6 +199,8 @@ class EngineConfig:
                              f"policy: {sorted(VERIFICATION_POLICIES)}")
         if self.optimize_target not in (None, "auto", "on", "off"):
             raise ValueError(f"optimize_target must be 'auto', 'on', 'off' or None, got {self.optimize_target!r}")
+        if self.draft_tree is not None and self.draft_tree not in DRAFT_TREES:
+            raise ValueError(f"unknown draft_tree {self.draft_tree!r}; expected one of {DRAFT_TREES}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -253,6 +260,14 @@ def engine_policy(config: EngineConfig, drafter) -> VerificationPolicy:
     if policy.draft_sources:
         policy.set_lookup_survival(LookupSurvival(drafter.config.block_size))
     return policy
+
+
+def engine_draft_tree(config: EngineConfig, drafter) -> str:
+    """The engine's token-tree setting: ``config.draft_tree`` (with a warning where the drafter's generation config
+    sets another), else the drafter's (``token_tree.draft_tree_mode``)."""
+    if config.draft_tree is None:
+        return draft_tree_mode(drafter)
+    return _engine_setting(config, drafter.generation_config, "draft_tree")
 
 
 def _engine_setting(config: EngineConfig, generation_config, name: str):

@@ -22,15 +22,15 @@ import torch
 
 from ..budget import BatchShare
 from ..draft_sources import Draft
-from ..token_tree import TREE_NODES, TokenTree, draft_tree_mode, grow_tree, tree_obstacle
+from ..token_tree import TREE_NODES, TokenTree, grow_tree, tree_obstacle
 
 
-def engine_tree_obstacle(drafter, scheduled: bool, windowed: bool) -> str | None:
-    """Why this engine's steps cannot verify trees (None: they can): ``scheduled``, whether its policy is priced by
-    an SPS profile; ``windowed``, whether the target has sliding-window layers."""
+def engine_tree_obstacle(drafter, mode: str, scheduled: bool, windowed: bool) -> str | None:
+    """Why this engine's steps cannot verify trees (None: they can): ``mode``, its ``draft_tree`` setting;
+    ``scheduled``, whether its policy is priced by an SPS profile; ``windowed``, whether the target has
+    sliding-window layers."""
     if drafter is None:
         return "the engine has no drafter"
-    mode = draft_tree_mode(drafter)
     if mode == "chain":
         return "draft_tree='chain'"
     if not scheduled:
@@ -44,10 +44,9 @@ class EngineTrees:
     """The engine's token-tree rounds: which rows of a step verify a tree, and that step's tree-shaped inputs,
     acceptance and kept columns."""
 
-    def __init__(self, drafter, scheduled: bool, windowed: bool, eager: bool):
-        self.drafter, self.eager = drafter, eager
-        self.mode = "chain" if drafter is None else draft_tree_mode(drafter)
-        self.off = engine_tree_obstacle(drafter, scheduled, windowed)
+    def __init__(self, drafter, mode: str, scheduled: bool, windowed: bool, eager: bool):
+        self.drafter, self.eager, self.mode = drafter, eager, mode
+        self.off = engine_tree_obstacle(drafter, mode, scheduled, windowed)
         if self.off is not None and self.mode == "always":
             raise ValueError(f"draft_tree='always' cannot grow token trees in this engine: {self.off}")
 

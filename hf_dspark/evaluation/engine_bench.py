@@ -15,7 +15,6 @@ slot goes to the next waiting one). Methods run interleaved per concurrency, so 
 
 from __future__ import annotations
 
-import math
 import random
 import statistics
 import time
@@ -24,9 +23,8 @@ from pathlib import Path
 import torch
 
 from ..allocator import BENCH_PRETOUCH_MIB, fix_allocator, pretouch_setting  # noqa: F401  (re-exported)
-from ..engine.admission import PrefillCost
 from ..engine.batching import DSparkEngine
-from ..engine.config import PLAIN, scheduled_policy
+from ..engine.config import scheduled_policy
 from ..engine.requests import SamplingParams
 from .paired_ratios import (  # noqa: F401  (plot_bench re-exported)
     _format_ratios,
@@ -35,63 +33,9 @@ from .paired_ratios import (  # noqa: F401  (plot_bench re-exported)
     against_baseline_by_request,
     plot_bench,
 )
-from ..scheduling import SCHEDULES
-from ..policy_names import current_policy
-from ..scheduling import VERIFICATION_POLICIES
 from ..stats import totals_by_source
-
-
-def parse_policy(spec: str, default_schedule: str = "padded") -> dict:
-    """A bench method's policy spec, ``plain`` | ``fixed`` | ``fixed=N`` | ``scheduler`` | ``scheduler=prefix`` |
-    ``scheduler=topk`` | any other registered verification policy (``threshold``) -> engine keyword arguments
-    (``hybrid`` takes every option of ``scheduler``; the old name ``scheduled`` goes to the engine as it is, which
-    warns); ``scheduler=...,ungated`` (e.g. ``scheduler=ungated``, ``scheduler=prefix,ungated``) turns the engine's
-    realized gate off, to measure what it brings, and ``scheduler=...,emitted`` has its realized gate count the
-    tokens each step emitted (``gate_tokens="emitted"``) instead of the batch's progress. Any policy takes
-    ``,hold=H`` (e.g. ``plain,hold=0``, ``scheduler=prefix,hold=0.25``): the engine's ``admission_hold``, to measure
-    what holding admissions brings; and ``,prefill=F`` (e.g. ``plain,prefill=1e9``: every admission in one padded
-    forward): a ``PrefillCost`` with ``fixed_tokens=F``, to measure what splitting admissions into prefill forwards
-    brings."""
-    head, *options = spec.split(",")
-    name, _, value = head.partition("=")
-    kwargs: dict = {}
-    rest = []
-    for option in options:
-        key, eq, number = option.partition("=")
-        if key not in ("hold", "prefill"):
-            rest.append(option)
-            continue
-        try:
-            number = float(number) if eq else float("nan")
-        except ValueError:
-            number = float("nan")
-        if not math.isfinite(number) or number < 0:
-            raise ValueError(f"policy {spec!r}: {key}=N needs a number N >= 0")
-        if key == "hold":
-            kwargs["admission_hold"] = number
-        else:
-            kwargs["prefill_cost"] = PrefillCost(fixed_tokens=number)
-    if name == PLAIN and not value and not rest:
-        return {"policy": PLAIN, **kwargs}
-    if name == "fixed" and not rest:
-        if value and not value.isdigit():
-            raise ValueError(f"policy {spec!r}: fixed=N needs a non-negative integer N")
-        return {"policy": "fixed", "num_verify_tokens": int(value) if value else None, **kwargs}
-    if scheduled_policy(name):
-        options = ([value] if value else []) + rest
-        flags = {"ungated": ("realized_gate", False), "emitted": ("gate_tokens", "emitted")}
-        schedules = [part for part in options if part not in flags]
-        if len(schedules) > 1 or (schedules and schedules[0] not in SCHEDULES):
-            form = f"{name}[=SCHEDULE][,ungated][,emitted][,hold=H][,prefill=F]"
-            raise ValueError(f"policy {spec!r}: expected {form}, SCHEDULE one of {SCHEDULES}")
-        out = {"policy": name, "schedule": schedules[0] if schedules else default_schedule}
-        out.update(flags[part] for part in options if part in flags)
-        return {**out, **kwargs}
-    if current_policy(name) in VERIFICATION_POLICIES and not value and not rest:
-        return {"policy": name, **kwargs}
-    raise ValueError(f"unknown policy {spec!r}; expected plain, fixed[=N], scheduler[=padded|prefix|topk][,ungated]"
-                     f"[,emitted], hybrid with the options of scheduler, or another registered verification policy "
-                     f"({', '.join(sorted(VERIFICATION_POLICIES))}), each with optional ,hold=H and ,prefill=F")
+from ..token_tree import TREE_NODES, draft_tree_mode
+from .policy_specs import parse_policy
 
 
 def measurements_from_report(path, methods: list[str]) -> dict:
@@ -397,7 +341,8 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
         sizes = powers_of_two_with(concurrencies)
         log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
         started = time.perf_counter()
-        sps = load_or_profile_batched(target, sizes, drafter.config.block_size + 1,
+        trees = any(spec.get("draft_tree", draft_tree_mode(drafter)) != "chain" for spec in specs.values())
+        sps = load_or_profile_batched(target, sizes, max(drafter.config.block_size, TREE_NODES if trees else 0) + 1,
                                       hidden_state_indices=drafter.target_hidden_states_indices())
         log(f"batched SPS(B) ready after {time.perf_counter() - started:.1f} s")
     compile_scheduler_kernels(target, drafter, specs, concurrencies, log)
