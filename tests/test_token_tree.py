@@ -342,6 +342,7 @@ def test_the_engines_draft_tree_setting_and_the_bench_policy_option(llama_pair):
 
     target, drafter = llama_pair
     drafter = copy.deepcopy(drafter)
+    drafter.generation_config.draft_tree = None  # the drafter's default (earlier tests set the shared pair's)
     assert DSparkEngine(target, drafter, policy="scheduler", sps=ENGINE_FREE_WIDTH).trees.off == "draft_tree='chain'"
     engine = DSparkEngine(target, drafter, policy="scheduler", sps=ENGINE_FREE_WIDTH, draft_tree="auto")
     assert engine.trees.mode == "auto" and engine.trees.off is None
@@ -355,3 +356,25 @@ def test_the_engines_draft_tree_setting_and_the_bench_policy_option(llama_pair):
     assert parse_policy("plain") == {"policy": "plain"}
     with pytest.raises(ValueError, match="tree=T needs T in"):
         parse_policy("scheduler,tree=bushy")
+
+
+def test_engine_trees_graft_the_lookups_offer(llama_pair, monkeypatch):
+    """Under hybrid a drafting row's prompt-lookup offer joins its tree as one more branch; outputs stay plain's.
+    (Every row drafts its block here: on a free width an offer would otherwise take its row.)"""
+    from hf_dspark.engine import SamplingParams, generate_batch
+    from hf_dspark.planner import Planner
+    from tests.test_engine import in_distribution_prompts, plain_greedy
+    from tests.test_engine_hybrid import repeated
+
+    target, drafter = llama_pair
+    drafter = copy.deepcopy(drafter)
+    monkeypatch.setattr(Planner, "_offers", lambda self, *args: {})
+    grafted = []
+    graft = TokenTree.graft
+    monkeypatch.setattr(TokenTree, "graft", lambda self, *a: grafted.append(1) or graft(self, *a))
+    prompts = [repeated(p) for p in in_distribution_prompts(target, 3)]
+    result = generate_batch(target, prompts, drafter, SamplingParams(max_new_tokens=24), policy="hybrid",
+                            sps=ENGINE_FREE_WIDTH, draft_tree="always")
+    for prompt, out in zip(prompts, result.outputs):
+        assert out.token_ids == plain_greedy(target, prompt, 24)
+    assert grafted and sum(o.stats.sources.count("tree") for o in result.outputs) > 0

@@ -57,33 +57,35 @@ class EngineTrees:
     def choose(self, planner, rows: Sequence, plan, block: Draft | None, lengths: list[int],
                table: torch.Tensor | None) -> dict[int, TokenTree]:
         """Row index -> the tree it verifies this step instead of its chain of ``lengths[i]`` drafts: the drafting
-        greedy rows whose tree the ``planner`` prices above the chain, each within the rest of the batch as chosen
-        so far."""
+        greedy rows whose tree (with the row's free-source offer, such as the prompt lookup's copy, grafted on as
+        one more branch) the ``planner`` prices above the chain, each within the rest of the batch as chosen so
+        far."""
         if self.off is not None or block is None or block.base_logits is None or table is None:
             return {}
-        self.planner = planner
-        expected = [self._expected(i, plan, block, lengths) for i in range(len(rows))]
+        expected = [self._expected(planner, i, plan, block, lengths) for i in range(len(rows))]
         widths = [1 + n for n in lengths]
         trees = {}
         for k, i in enumerate(plan.drafting):
             if rows[i].params.do_sample or plan.caps[i] < 1:
                 continue
-            share = self._share(expected, widths, i)
+            share = self._share(planner, expected, widths, i)
             nodes = self._room(share, table)
             if nodes < 1:
                 continue
             tree = grow_tree(self.drafter, block.base_logits[k], block.hidden[k], int(rows[i].anchor), nodes,
                              max_depth=plan.caps[i])
             confidences = None if block.confidences is None else block.confidences[k]
-            tree = self.planner.tree_round(tree, confidences, lengths[i], table, always=self.mode == "always",
-                                           share=share)
+            branch = planner.best_offer(rows[i].token_ids(), plan.caps[i], table) if planner.sources else None
+            tree = planner.tree_round(tree, confidences, lengths[i], table, always=self.mode == "always",
+                                      branch=branch, share=share)
             if tree is not None:
                 trees[i] = tree
                 expected[i] = 1.0 + float(tree.survival.sum())
                 widths[i] = 1 + tree.size
         return trees
 
-    def _expected(self, i: int, plan, block: Draft, lengths: list[int]) -> float:
+    @staticmethod
+    def _expected(planner, i: int, plan, block: Draft, lengths: list[int]) -> float:
         """Row ``i``'s expected tokens from its chain round (1 plus the survival of its verified drafts)."""
         if not lengths[i]:
             return 1.0
@@ -92,16 +94,17 @@ class EngineTrees:
             confidences = offer.confidences[0] if offer.confidences is not None else None
         else:
             k = plan.drafting.index(i)
-            confidences = None if block.confidences is None else self.planner.corrected(block.confidences[k])
+            confidences = None if block.confidences is None else planner.corrected(block.confidences[k])
         if confidences is None:
             return 1.0
         return 1.0 + float(torch.cumprod(confidences.float().cpu().clamp(0, 1), 0)[: lengths[i]].sum())
 
-    def _share(self, expected: list[float], widths: list[int], i: int) -> BatchShare:
+    @staticmethod
+    def _share(planner, expected: list[float], widths: list[int], i: int) -> BatchShare:
         others = [j for j in range(len(widths)) if j != i]
         return BatchShare(sum(expected[j] for j in others), sum(widths[j] for j in others),
                           max((widths[j] for j in others), default=0), len(widths),
-                          self.planner.schedule == "padded")
+                          planner.schedule == "padded")
 
     @staticmethod
     def _room(share: BatchShare, table: torch.Tensor) -> int:
