@@ -321,9 +321,12 @@ class DemoRunner:
     policy the UI starts on (``default_policy``)."""
 
     def __init__(self, target, tokenizer, drafter, sps_time_budget_s: float = 30.0,
-                 update_interval_s: float = UPDATE_INTERVAL_S, policy: str = DEFAULT_POLICY):
+                 update_interval_s: float = UPDATE_INTERVAL_S, policy: str = DEFAULT_POLICY,
+                 draft_tree: str = "chain"):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if draft_tree not in DRAFT_TREES:
+            raise ValueError(f"unknown token-tree setting {draft_tree!r}; choose one of {', '.join(DRAFT_TREES)}")
         drafter.check_target(target)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.block_size = drafter.config.block_size
@@ -332,6 +335,7 @@ class DemoRunner:
         self.has_confidence = drafter.confidence_head is not None
         self.trees = self.has_confidence and tree_obstacle(drafter) is None  # trees are priced by the scheduler
         self.start_policy = policy
+        self.start_tree = draft_tree if self.trees else "chain"  # the token-tree setting the UI starts on
         self.lock = threading.Lock()
         self._warm = False
         self._token_text: dict[int, str] = {}
@@ -440,15 +444,16 @@ def _import_gradio():
 
 def build_demo(target, tokenizer, drafter, max_new_tokens: int = 128, title: str | None = None,
                update_interval_s: float = UPDATE_INTERVAL_S, drafter_label: str | None = None,
-               policy: str = DEFAULT_POLICY):
+               policy: str = DEFAULT_POLICY, draft_tree: str = "chain"):
     """A ``gr.Blocks`` app: prompt, policy settings, plain vs DSpark streaming side by side, per-round drafts,
     tau and speedup. Any decoder-only target with its tokenizer and a DSpark drafter shaped for it; the UI is
     updated at most every ``update_interval_s`` seconds per run. The policy starts on ``policy`` (``fixed`` for a
-    drafter without a confidence head); ``drafter_label`` (e.g. its folder and weights digest) is shown under the
-    title."""
+    drafter without a confidence head), the token-tree choice on ``draft_tree`` (``chain`` for a drafter that
+    cannot grow trees); ``drafter_label`` (e.g. its folder and weights digest) is shown under the title."""
     gr = _import_gradio()
 
-    runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s, policy=policy)
+    runner = DemoRunner(target, tokenizer, drafter, update_interval_s=update_interval_s, policy=policy,
+                        draft_tree=draft_tree)
     target_name = Path(str(getattr(target.config, "_name_or_path", "") or "target")).name
     name = title or f"DSpark speculative decoding: {target_name}"
     with gr.Blocks(title="hf-dspark demo", analytics_enabled=False) as demo:
@@ -506,7 +511,7 @@ def _settings_row(gr, runner: DemoRunner, max_new_tokens: int):
         threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="Confidence threshold t",
                               interactive=runner.has_confidence)
         max_tokens = gr.Slider(1, max(512, max_new_tokens), value=max_new_tokens, step=1, label="Max new tokens")
-        tree = gr.Radio(list(DRAFT_TREES), value="chain", label="Token trees", interactive=runner.trees,
+        tree = gr.Radio(list(DRAFT_TREES), value=runner.start_tree, label="Token trees", interactive=runner.trees,
                         info=TREE_HELP if runner.trees else "this drafter's sequential head cannot grow trees")
     return policy, num_verify, threshold, max_tokens, tree
 
@@ -539,9 +544,9 @@ def _connect_events(gr, generate, prompt, run_button, stop_button, inputs: list,
 
 def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: str | None = None,
                    dtype: torch.dtype = torch.float32, max_new_tokens: int = 128, optimize_target: str = "auto",
-                   policy: str = DEFAULT_POLICY, **launch_kwargs):
+                   policy: str = DEFAULT_POLICY, draft_tree: str = "chain", **launch_kwargs):
     """Serve the demo on SmolLM2-135M-Instruct with the embedded drafter (or ``drafter``, a folder), the UI starting
-    on ``policy``; blocks until interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the
+    on ``policy`` and ``draft_tree``; blocks until interrupted unless ``prevent_thread_lock=True``. Never shares a public link (the
     demo runs offline). ``optimize_target`` is :func:`hf_dspark.optimize_target`'s mode for the target."""
     from .defaults import load_drafter_for
     from .optimization import optimize_target as optimize
@@ -552,7 +557,8 @@ def launch_default(host: str = "127.0.0.1", port: int | None = None, drafter: st
     optimize(target, optimize_target)
     model, origin = load_drafter_for(target, drafter, dtype=dtype)
     demo = build_demo(target, tokenizer, model, max_new_tokens=max_new_tokens,
-                      title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin), policy=policy)
+                      title="DSpark on SmolLM2-135M-Instruct", drafter_label=drafter_label(origin), policy=policy,
+                      draft_tree=draft_tree)
     return demo.launch(server_name=host, server_port=port, share=False, **launch_kwargs)
 
 

@@ -258,8 +258,9 @@ def test_demo_prints_its_address_without_gradios_share_hint(capsys, monkeypatch)
 
     monkeypatch.setattr(hf_dspark.demo, "launch_default", launch)
     monkeypatch.setattr(demo_command.time, "sleep", interrupt)
-    assert main(["demo", "--max-new-tokens", "64"]) == 130
+    assert main(["demo", "--max-new-tokens", "64", "--draft-tree", "auto"]) == 130
     assert launched["quiet"] and launched["prevent_thread_lock"] and launched["max_new_tokens"] == 64
+    assert launched["draft_tree"] == "auto"
     assert "serving on http://127.0.0.1:7860/" in capsys.readouterr().out
 
 

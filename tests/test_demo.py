@@ -94,7 +94,10 @@ def test_runner_draws_the_trees_it_verifies(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))
     target, tokenizer, drafter = tiny_models
     runner = DemoRunner(target, tokenizer, drafter, sps_time_budget_s=2.0, update_interval_s=0.0)
-    assert runner.trees
+    assert runner.trees and runner.start_tree == "chain"
+    assert DemoRunner(target, tokenizer, drafter, draft_tree="auto").start_tree == "auto"
+    with pytest.raises(ValueError, match="unknown token-tree setting 'bushy'"):
+        DemoRunner(target, tokenizer, drafter, draft_tree="bushy")
     final = list(runner.run(PROMPT, 16, "scheduler", 0.5, 4, "always"))[-1]
     assert "identical to plain greedy: yes" in final[5] and final[2] == final[0]
     assert 'data-source="tree"' in final[4] and "dspark-tree" in final[4]

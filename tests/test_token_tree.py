@@ -269,6 +269,9 @@ def test_the_cli_offers_every_draft_tree_setting():
     parser = cli.build_parser()
     assert parser.parse_args(["generate", "--draft-tree", "chain"]).draft_tree == "chain"
     assert parser.parse_args(["bench", "--prompts", "p", "--draft-tree", "chain", "auto"]).draft_tree == ["chain", "auto"]
+    for command in (["bench-serve", "--prompts", "p"], ["serve"], ["demo"]):
+        assert parser.parse_args(command + ["--draft-tree", "auto"]).draft_tree == "auto", command
+    assert parser.parse_args(["demo"]).draft_tree == "chain" and parser.parse_args(["serve"]).draft_tree is None
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "--draft-tree", "bushy"])
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers.hf_argparser import HfArg
 
-from .common import OPTIMIZE_HELP, OptimizeMode
+from .common import DRAFT_TREE_HELP, OPTIMIZE_HELP, DraftTree, OptimizeMode
 from .common import THREADS_HELP, DType, torch_dtype, warn_if_slow_dtype
 from .policies import DEFAULT_POLICY, POLICIES
 
@@ -24,6 +24,7 @@ class DemoSettings:
     max_new_tokens: int = HfArg(default=128, help="the UI's initial max new tokens", metadata={"bounds": (1, None)})
     policy: str = HfArg(default=DEFAULT_POLICY, help="the verification policy the UI starts on (fixed for a drafter "
                         "without a confidence head)", metadata={"choices": list(POLICIES)})
+    draft_tree: DraftTree = HfArg(default="chain", help="the token-tree setting the UI starts on: " + DRAFT_TREE_HELP)
     threads: int | None = HfArg(default=None, help=THREADS_HELP, metadata={"bounds": (1, None)})
     optimize_target: OptimizeMode = HfArg(default="auto", help=OPTIMIZE_HELP)
 
@@ -43,7 +44,7 @@ def run(settings: DemoSettings) -> int:
     warn_if_slow_dtype(settings.dtype)  # the demo runs on the CPU
     _, url, _ = launch_default(host=settings.host, port=settings.port, drafter=settings.drafter,
                                dtype=torch_dtype(settings.dtype), max_new_tokens=settings.max_new_tokens,
-                               policy=settings.policy, quiet=True,
+                               policy=settings.policy, draft_tree=settings.draft_tree, quiet=True,
                                optimize_target=settings.optimize_target,
                                prevent_thread_lock=True)
     print(f"hf-dspark demo: serving on {url} (Ctrl+C stops it)", flush=True)
