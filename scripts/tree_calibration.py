@@ -21,7 +21,6 @@ tree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -33,12 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from acceptance_caps import HELDOUT_DATA, sample, teacher_forced_blocks  # noqa: E402
+from acceptance_caps import teacher_forced_blocks  # noqa: E402
+from tree_ceiling import heldout_batches, heldout_parser, heldout_setup  # noqa: E402
 
-from hf_dspark.defaults import load_drafter_for  # noqa: E402
-from hf_dspark.target import load_smollm2  # noqa: E402
 from hf_dspark.token_tree import TokenTree, grow_tree, tree_obstacle  # noqa: E402
-from hf_dspark.training.trainer import collate  # noqa: E402
 
 KINDS = ("chain", "first", "alternative")
 
@@ -113,42 +110,19 @@ def table(record: dict) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--drafter", default=None, help="drafter folder (default: the embedded DSpark drafter)")
-    parser.add_argument("--sequences", type=int, default=48, help="held-out regenerated turns")
-    parser.add_argument("--max-length", type=int, default=512)
-    parser.add_argument("--num-anchors", type=int, default=64, help="blocks per turn")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser = heldout_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=32, help="nodes per tree")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--output", default=None, help="also write the numbers as JSON here")
-    args = parser.parse_args()
-    for flag in ("sequences", "max_length", "num_anchors", "batch_size", "nodes"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target, tokenizer = load_smollm2(torch.float32)
-    drafter, origin = load_drafter_for(target, args.drafter, dtype=torch.float32)
-    drafter.eval()
+    args, target, tokenizer, drafter, origin, sequences = heldout_setup(parser, positive=("nodes",))
     obstacle = tree_obstacle(drafter)
     if obstacle is not None:
         raise SystemExit(f"tree_calibration.py: {obstacle}")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    sequences = sample(HELDOUT_DATA, args.sequences, args.max_length, args.seed)
     record = {"predicted": defaultdict(float), "observed": defaultdict(float), "count": defaultdict(int),
               "chain_predicted": 0.0, "chain_observed": 0, "tree_predicted": 0.0, "tree_observed": 0, "blocks": 0}
-    generator = torch.Generator()
-    for start in range(0, len(sequences), args.batch_size):
-        generator.manual_seed(args.seed * 7919 + 104_729 + start)
-        chunk = collate(sequences[start : start + args.batch_size], pad)
+    for chunk, generator in heldout_batches(args, tokenizer, sequences):
         with torch.no_grad():
             for block in blocks_of(target, drafter, chunk, args.num_anchors, generator):
                 tree = grow_tree(drafter, block["logits"], block["hidden"], block["anchor"], args.nodes)
                 score(tree, block["greedy"].tolist(), record)
-        print(f"  {min(start + args.batch_size, len(sequences))}/{len(sequences)} turns", file=sys.stderr)
     rows = table(record)
     blocks = record["blocks"]
     print(f"Drafter: {origin}; {len(sequences)} held-out turns, {blocks} whole blocks, trees of {args.nodes} nodes.\n")

@@ -150,21 +150,27 @@ def sps_curve(target, max_tokens: int):
     return load_or_profile(target, max_tokens)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def heldout_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every held-out tree script takes (drafter, turns, blocks per turn, batching, seed, threads,
+    JSON output); a script adds its own."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--drafter", default=None, help="drafter folder (default: the embedded DSpark drafter)")
     parser.add_argument("--sequences", type=int, default=48, help="held-out regenerated turns")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--num-anchors", type=int, default=64, help="blocks per turn")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="the target's dtype for the SPS curve (accepted lengths are scored in float32)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", default=None, help="also write the numbers as JSON here")
+    return parser
+
+
+def heldout_setup(parser: argparse.ArgumentParser, positive: tuple[str, ...] = ()):
+    """Parse and check the arguments (``positive``: a script's own flags that must be >= 1 too), then load the
+    float32 target and drafter and sample the held-out turns: ``(args, target, tokenizer, drafter, origin,
+    sequences)``."""
     args = parser.parse_args()
-    for flag in ("sequences", "max_length", "num_anchors", "batch_size"):
+    for flag in ("sequences", "max_length", "num_anchors", "batch_size", *positive):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.threads:
@@ -172,16 +178,31 @@ def main() -> None:
     target, tokenizer = load_smollm2(torch.float32)
     drafter, origin = load_drafter_for(target, args.drafter, dtype=torch.float32)
     drafter.eval()
-    scorer = TreeScorer(drafter)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     sequences = sample(HELDOUT_DATA, args.sequences, args.max_length, args.seed)
-    shapes = {"chain" if not spec else ", ".join(map(str, spec)): spec for spec in FULL_TREES}
-    totals = {name: [] for name in shapes} | {f"budget {n}": [] for n in BUDGETS}
-    chain_depths, nodes = [], {}
+    return args, target, tokenizer, drafter, origin, sequences
+
+
+def heldout_batches(args, tokenizer, sequences: list[dict]):
+    """The held-out turns in collated batches of ``args.batch_size``, each with its seeded anchor generator; the
+    progress is logged to stderr after each batch."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     generator = torch.Generator()
     for start in range(0, len(sequences), args.batch_size):
         generator.manual_seed(args.seed * 7919 + 104_729 + start)
-        chunk = collate(sequences[start : start + args.batch_size], pad)
+        yield collate(sequences[start : start + args.batch_size], pad), generator
+        print(f"  {min(start + args.batch_size, len(sequences))}/{len(sequences)} turns", file=sys.stderr)
+
+
+def main() -> None:
+    parser = heldout_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the target's dtype for the SPS curve (accepted lengths are scored in float32)")
+    args, target, tokenizer, drafter, origin, sequences = heldout_setup(parser)
+    scorer = TreeScorer(drafter)
+    shapes = {"chain" if not spec else ", ".join(map(str, spec)): spec for spec in FULL_TREES}
+    totals = {name: [] for name in shapes} | {f"budget {n}": [] for n in BUDGETS}
+    chain_depths, nodes = [], {}
+    for chunk, generator in heldout_batches(args, tokenizer, sequences):
         blocks = blocks_of(target, drafter, chunk, args.num_anchors, generator)
         for first in range(0, blocks["anchor"].shape[0], CHUNK):
             part = {key: value[first : first + CHUNK] for key, value in blocks.items()}
@@ -198,7 +219,6 @@ def main() -> None:
                 for budget in BUDGETS:
                     totals[f"budget {budget}"].append(accepted(marks, budget_selection(levels, budget)))
                     nodes[f"budget {budget}"] = budget
-        print(f"  {min(start + args.batch_size, len(sequences))}/{len(sequences)} turns", file=sys.stderr)
     target = target.to(getattr(torch, args.dtype))
     from hf_dspark.optimization import optimize_target
 
