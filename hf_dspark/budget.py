@@ -264,9 +264,14 @@ def chain_rate(confidences: torch.Tensor, length: int, sps_table: torch.Tensor,
     """The expected tokens per second of verifying the first ``length`` drafts of a chain with conditional
     confidences ``confidences`` [g]: ``(share.expected + 1 + sum of their survival) * SPS(B)``, B the batch's tokens
     with this row verifying ``1 + length`` (``share``; alone: ``1 + length``)."""
-    survival = torch.cumprod(confidences.float().cpu().clamp(0, 1), dim=0)[:length]
     tokens = int(share.batch_tokens(torch.tensor([1 + length]))[0])
-    return float((share.expected + 1.0 + survival.sum()) * sps_table.float().cpu()[tokens])
+    return float((share.expected + chain_expected(confidences, length)) * sps_table.float().cpu()[tokens])
+
+
+def chain_expected(confidences: torch.Tensor, length: int) -> torch.Tensor:
+    """The tokens a round verifying the first ``length`` drafts of a chain with conditional confidences
+    ``confidences`` [g] is expected to deliver (0-d float32): 1 (the target's own) plus the drafts' survival."""
+    return 1.0 + torch.cumprod(confidences.float().cpu().clamp(0, 1), dim=0)[:length].sum()
 
 
 def use_schedule_kernels(schedule_lengths) -> None:
@@ -316,6 +321,7 @@ def schedule_batch(confidences: torch.Tensor, caps: torch.Tensor, sps_table: tor
 __all__ = [
     "SCHEDULES",
     "BatchShare",
+    "chain_expected",
     "chain_rate",
     "tree_schedule",
     "StepsPerSecond",

@@ -291,9 +291,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         nodes the tree verified and the accepted path's leading chain nodes."""
         self._verify_started = self.clock.mark()
         verified = self.trees.verify(input_ids, tree)
-        on_chain = tree.chain.tolist()
-        chain_accepted = next((k for k, node in enumerate(verified.path) if not on_chain[node]), len(verified.path))
-        self._plan = (plan, draft.confidences, tree.chain_length(), chain_accepted)
+        self._plan = (plan, draft.confidences, tree.chain_length(), tree.leading_chain(verified.path))
         confidences = None if draft.confidences is None else draft.confidences[0]
         listed, raw = stats_lists(confidences, draft.confidence_logits)
         path = verified.tokens[1:].view(1, -1)

@@ -134,6 +134,12 @@ class TokenTree:
                           torch.tensor(survival), torch.tensor(chain, dtype=torch.bool))
         return grown.ranked(grown.survival)
 
+    def leading_chain(self, path: list[int]) -> int:
+        """How many of ``path``'s first nodes (an accepted path, ``accepted_path``) lie on the chain: what the
+        block's chain delivered in a tree round."""
+        on_chain = self.chain.tolist()
+        return next((k for k, node in enumerate(path) if not on_chain[node]), len(path))
+
     def chain_length(self) -> int:
         """How many of the block's chain nodes the tree holds (a prefix of the chain)."""
         return int(self.chain.sum())

@@ -124,9 +124,13 @@ def tree_mask(tree: TokenTree, past: int, dtype: torch.dtype | None, device) -> 
     n = tree.size
     seen = torch.ones(1, 1, n + 1, past + n + 1, dtype=torch.bool, device=device)
     seen[0, 0, :, past:] = tree.visibility().to(device)
-    if dtype is None:
-        return seen
-    return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
+    return seen if dtype is None else additive_mask(seen, dtype)
+
+
+def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as eager attention takes it: 0 where ``seen``, the lowest ``dtype`` value
+    elsewhere."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
 
 @torch.no_grad()
@@ -233,5 +237,5 @@ class SequenceTrees:
         return verified
 
 
-__all__ = ["PathForward", "SequenceTrees", "VerifiedPath", "current_path_forward", "path_forward",
+__all__ = ["PathForward", "SequenceTrees", "VerifiedPath", "additive_mask", "current_path_forward", "path_forward",
            "tree_cache_obstacle", "tree_mask", "verify_tree"]

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..modeling_dspark import DSparkContextCache
+from ..tree_round import additive_mask
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -166,9 +167,7 @@ class AttentionLayout(NamedTuple):
         seen = key_valid[:, None, None, :] & (key_positions[:, None, None, :] <= query_positions[:, None, :, None])
         near = seen & (query_positions[:, None, :, None] - key_positions[:, None, None, :] < self.window)
         if eager_dtype is not None:
-            low = torch.finfo(eager_dtype).min
-            seen, near = (torch.zeros(m.shape, dtype=eager_dtype, device=m.device).masked_fill(~m, low)
-                          for m in (seen, near))
+            seen, near = additive_mask(seen, eager_dtype), additive_mask(near, eager_dtype)
         if self.kinds == {"sliding_attention"}:
             return near
         return {"full_attention": seen, "sliding_attention": near}

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..budget import BatchShare
+from ..budget import BatchShare, chain_expected
 from ..draft_sources import Draft
 from ..token_tree import TREE_NODES, TokenTree, grow_tree, tree_obstacle
+from ..tree_round import additive_mask
 
 
 def engine_tree_obstacle(drafter, mode: str, scheduled: bool, windowed: bool) -> str | None:
@@ -40,6 +41,18 @@ def engine_tree_obstacle(drafter, mode: str, scheduled: bool, windowed: bool) ->
     return tree_obstacle(drafter)
 
 
+def path_columns(path: list[int]) -> list[int]:
+    """A tree row's block columns along its accepted ``path``: the anchor's, then each node's (node i is column
+    1 + i)."""
+    return [0] + [1 + node for node in path]
+
+
+def tree_tokens_per_request(block_size: int, trees: bool) -> int:
+    """The widest block a row verifies, anchor included (an SPS profile's widths per request): the block, or where
+    rows may verify token trees, the largest tree."""
+    return max(block_size, TREE_NODES if trees else 0) + 1
+
+
 class EngineTrees:
     """The engine's token-tree rounds: which rows of a step verify a tree, and that step's tree-shaped inputs,
     acceptance and kept columns."""
@@ -52,7 +65,7 @@ class EngineTrees:
 
     def tokens_per_request(self, block_size: int) -> int:
         """The widest block a row verifies (anchor included): the SPS profile's widths per request."""
-        return block_size + 1 if self.off is not None else max(block_size, TREE_NODES) + 1
+        return tree_tokens_per_request(block_size, self.off is None)
 
     def choose(self, planner, rows: Sequence, plan, block: Draft | None, lengths: list[int],
                table: torch.Tensor | None) -> dict[int, TokenTree]:
@@ -95,9 +108,7 @@ class EngineTrees:
         else:
             k = plan.drafting.index(i)
             confidences = None if block.confidences is None else planner.corrected(block.confidences[k])
-        if confidences is None:
-            return 1.0
-        return 1.0 + float(torch.cumprod(confidences.float().cpu().clamp(0, 1), 0)[: lengths[i]].sum())
+        return 1.0 if confidences is None else float(chain_expected(confidences, lengths[i]))
 
     @staticmethod
     def _share(planner, expected: list[float], widths: list[int], i: int) -> BatchShare:
@@ -124,9 +135,7 @@ class EngineTrees:
         row verified the chain nodes its tree held and accepted its path's leading chain nodes."""
         lengths, accepted = list(lengths), list(accepted)
         for i, tree in trees.items():
-            on_chain = tree.chain.tolist()
-            lengths[i] = tree.chain_length()
-            accepted[i] = next((k for k, node in enumerate(paths[i]) if not on_chain[node]), len(paths[i]))
+            lengths[i], accepted[i] = tree.chain_length(), tree.leading_chain(paths[i])
         return lengths, accepted
 
     # ----------------------------------------------------------------------------------------------------------
@@ -166,9 +175,7 @@ class EngineTrees:
         block[:, :, 0] = True
         past = cache_valid[:, None, :].expand(rows, width, cache_valid.shape[1])
         seen = torch.cat([past, block], dim=2)[:, None]
-        if not self.eager:
-            return seen
-        return torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, torch.finfo(dtype).min)
+        return additive_mask(seen, dtype) if self.eager else seen
 
     @staticmethod
     def accept(logits: torch.Tensor, trees: dict[int, TokenTree], accepted: torch.Tensor,
@@ -190,7 +197,7 @@ class EngineTrees:
         kept = torch.arange(width, device=accepted.device) <= accepted[:, None]
         for i, path in paths.items():
             kept[i] = False
-            kept[i, [0] + [1 + node for node in path]] = True
+            kept[i, path_columns(path)] = True
         return kept
 
     @staticmethod
@@ -201,11 +208,11 @@ class EngineTrees:
             return None
         order = torch.arange(width, device=device).repeat(rows, 1)
         for i, path in paths.items():
-            first = [0] + [1 + node for node in path]
+            first = path_columns(path)
             taken = set(first)
             rest = [c for c in range(width) if c not in taken]
             order[i] = torch.tensor(first + rest, device=device)
         return order
 
 
-__all__ = ["EngineTrees", "engine_tree_obstacle"]
+__all__ = ["EngineTrees", "engine_tree_obstacle", "path_columns", "tree_tokens_per_request"]

@@ -34,7 +34,8 @@ from .paired_ratios import (  # noqa: F401  (plot_bench re-exported)
     plot_bench,
 )
 from ..stats import totals_by_source
-from ..token_tree import TREE_NODES, draft_tree_mode
+from ..engine.trees import tree_tokens_per_request
+from ..token_tree import draft_tree_mode
 from .policy_specs import parse_policy
 
 
@@ -342,7 +343,7 @@ def _prepare(target, drafter, prompts, methods, concurrencies, max_new_tokens, t
         log(f"profiling batched SPS(B) at batch sizes {sizes} (cached)")
         started = time.perf_counter()
         trees = any(spec.get("draft_tree", draft_tree_mode(drafter)) != "chain" for spec in specs.values())
-        sps = load_or_profile_batched(target, sizes, max(drafter.config.block_size, TREE_NODES if trees else 0) + 1,
+        sps = load_or_profile_batched(target, sizes, tree_tokens_per_request(drafter.config.block_size, trees),
                                       hidden_state_indices=drafter.target_hidden_states_indices())
         log(f"batched SPS(B) ready after {time.perf_counter() - started:.1f} s")
     compile_scheduler_kernels(target, drafter, specs, concurrencies, log)
